@@ -1,0 +1,106 @@
+"""Built-in models, and a user's own model by import path (``package.module:function``).
+
+Every factory takes the dataset's ``input_shape`` and ``num_classes`` and any extra keyword
+arguments from the job's ``model_kwargs``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from wavelet.common.imports import import_callable
+
+
+def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(math.prod(input_shape), hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )
+
+
+def digits_cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 32) -> nn.Module:
+    """A small CNN for 8x8 digits (about 240k parameters at the default width)."""
+    channels, height, width_px = input_shape
+    flat = 2 * width * (height // 2) * (width_px // 2)
+    return nn.Sequential(
+        nn.Conv2d(channels, width, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(flat, 216),
+        nn.ReLU(),
+        nn.Linear(216, num_classes),
+    )
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 for 32x32 images (CIFAR style: 3x3 stem, no max-pool; 11.2M parameters)."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()
+        )
+        layers, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layers(self.stem(x))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+
+
+def resnet18(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return ResNet18(input_shape[0], num_classes)
+
+
+BUILTIN_MODELS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": mlp,
+    "digits_cnn": digits_cnn,
+    "resnet18": resnet18,
+}
+
+
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, seed: int, **kwargs
+) -> nn.Module:
+    """The model ``name`` with weights drawn from ``seed``: every wave builds the same one."""
+    factory = BUILTIN_MODELS.get(name) or import_callable(name, "model", BUILTIN_MODELS)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = factory(tuple(input_shape), num_classes, **kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model factory {name!r} returned {type(model).__name__}, not nn.Module")
+    return model

@@ -1,0 +1,295 @@
+"""The one wire protocol between waves and parameter-server shards.
+
+A message is one ZeroMQ multipart message: frame 0 is a small msgpack header, frames 1..n are the
+raw bytes of the tensors the header describes, in order. Tensor bytes never go inside msgpack and
+are sent with ``copy=False``; on receipt they are wrapped with ``torch.frombuffer`` without a copy.
+Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+
+PROTOCOL_VERSION = 1
+
+# A header is small; anything bigger is a malformed or hostile message.
+MAX_HEADER_BYTES = 1 << 20
+
+
+class Op(enum.StrEnum):
+    """Requests a shard understands, and the two kinds of reply."""
+
+    REGISTER = "register"  # a wave joins; reply carries the shard's plan fingerprint and version
+    INIT = "init"  # first caller seeds the shard's chunks; later callers must match the plan
+    PULL = "pull"  # read weights (parks while the staleness bound forbids the read)
+    PUSH = "push"  # gradients (and buffers) computed from the version read
+    PUSH_PULL = "push_pull"  # push, then pull for the next clock, in one round trip
+    LEAVE = "leave"  # a wave is done; it stops counting towards the staleness bound
+    STATS = "stats"  # versions, clocks, staleness histograms
+    CHECKPOINT = "checkpoint"  # write a checkpoint now
+    SHUTDOWN = "shutdown"  # stop the shard daemon
+    REPLY = "reply"
+    ERROR = "error"
+
+
+class ErrorCode(enum.StrEnum):
+    MALFORMED = "malformed"
+    BAD_PROTOCOL_VERSION = "bad_protocol_version"
+    UNKNOWN_OP = "unknown_op"
+    NOT_INITIALIZED = "not_initialized"
+    NOT_REGISTERED = "not_registered"
+    PLAN_MISMATCH = "plan_mismatch"
+    UNKNOWN_KEY = "unknown_key"
+    BAD_SHAPE = "bad_shape"
+    BAD_DTYPE = "bad_dtype"
+    NON_FINITE = "non_finite"
+    FUTURE_VERSION = "future_version"
+    STALE_CLOCK = "stale_clock"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A request the shard refuses; becomes an ``error`` reply with this code and message."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class RemoteError(RuntimeError):
+    """An ``error`` reply, raised on the client side."""
+
+    def __init__(self, code: str, message: str, address: str = ""):
+        where = f" from {address}" if address else ""
+        super().__init__(f"shard error{where}: [{code}] {message}")
+        self.code = code
+        self.message = message
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel on the wire") from None
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """dtype and shape of one tensor frame."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorDesc:
+        return cls(dtype_name(tensor.dtype), tuple(tensor.shape))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+
+@dataclass
+class Header:
+    """Frame 0 of every message. ``body`` holds op-specific small fields (never tensors)."""
+
+    op: str
+    request_id: int = 0
+    worker: str = ""
+    wave: int = -1
+    clock: int = -1
+    read_version: int = -1  # the shard version the pushed gradient was computed from
+    plan: str = ""  # sharding-plan fingerprint
+    keys: list[int] = field(default_factory=list)
+    tensors: list[TensorDesc] = field(default_factory=list)
+    body: dict[str, Any] = field(default_factory=dict)
+    version: int = PROTOCOL_VERSION
+
+    def pack(self) -> bytes:
+        return msgpack.packb(
+            {
+                "v": self.version,
+                "op": str(self.op),
+                "rid": self.request_id,
+                "worker": self.worker,
+                "wave": self.wave,
+                "clock": self.clock,
+                "read": self.read_version,
+                "plan": self.plan,
+                "keys": list(self.keys),
+                "tensors": [[d.dtype, list(d.shape)] for d in self.tensors],
+                "body": self.body,
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> Header:
+        if len(raw) > MAX_HEADER_BYTES:
+            raise ProtocolError(ErrorCode.MALFORMED, f"header of {len(raw)} bytes is too large")
+        try:
+            d = msgpack.unpackb(bytes(raw), raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack ({e})") from None
+        if not isinstance(d, dict):
+            raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
+        version = d.get("v")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                ErrorCode.BAD_PROTOCOL_VERSION,
+                f"protocol version {version!r}, this shard speaks {PROTOCOL_VERSION}; "
+                "run the same Wavelet release on workers and shards",
+            )
+        try:
+            h = cls(
+                op=_typed(d, "op", str),
+                request_id=_typed(d, "rid", int),
+                worker=_typed(d, "worker", str),
+                wave=_typed(d, "wave", int),
+                clock=_typed(d, "clock", int),
+                read_version=_typed(d, "read", int),
+                plan=_typed(d, "plan", str),
+                keys=[_check(k, int, "key") for k in _typed(d, "keys", list)],
+                tensors=[_desc(t) for t in _typed(d, "tensors", list)],
+                body=_typed(d, "body", dict),
+            )
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(ErrorCode.MALFORMED, str(e)) from None
+        return h
+
+
+def _check(value: Any, kind: type, what: str) -> Any:
+    # bool is an int subclass; a bool where a number belongs is a malformed message.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{what} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _typed(d: dict, name: str, kind: type) -> Any:
+    if name not in d:
+        raise ValueError(f"header field {name!r} is missing")
+    return _check(d[name], kind, f"header field {name!r}")
+
+
+def _desc(t: Any) -> TensorDesc:
+    if not (isinstance(t, list) and len(t) == 2 and isinstance(t[1], list)):
+        raise TypeError("tensor descriptor must be [dtype, shape]")
+    dtype = _check(t[0], str, "tensor dtype")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown tensor dtype {dtype!r}")
+    shape = tuple(_check(s, int, "tensor dimension") for s in t[1])
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative tensor dimension in {shape}")
+    return TensorDesc(dtype, shape)
+
+
+def tensor_frame(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy view of a contiguous CPU tensor's bytes, ready for ``send(copy=False)``."""
+    if tensor.device.type != "cpu":
+        raise ValueError("only CPU tensors can be framed; copy device tensors to host first")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor frames must be contiguous")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def frame_tensor(buffer: Any, desc: TensorDesc) -> torch.Tensor:
+    """Wrap a received frame as a tensor without copying; the frame must outlive the tensor."""
+    view = memoryview(buffer)
+    if view.nbytes != desc.nbytes:
+        raise ProtocolError(
+            ErrorCode.BAD_SHAPE,
+            f"frame holds {view.nbytes} bytes, header says {desc.dtype}{list(desc.shape)} "
+            f"({desc.nbytes} bytes)",
+        )
+    if desc.nbytes == 0:
+        return torch.empty(desc.shape, dtype=desc.torch_dtype)
+    return torch.frombuffer(view, dtype=desc.torch_dtype).reshape(desc.shape)
+
+
+def encode(header: Header, tensors: Sequence[torch.Tensor] = ()) -> list[Any]:
+    """Frames for one message; fills in the header's tensor descriptors."""
+    header.tensors = [TensorDesc.of(t) for t in tensors]
+    return [header.pack(), *(tensor_frame(t) for t in tensors)]
+
+
+def send_message(
+    socket: zmq.Socket,
+    header: Header,
+    tensors: Sequence[torch.Tensor] = (),
+    prefix: Sequence[bytes] = (),
+    track: bool = False,
+) -> zmq.MessageTracker | None:
+    """Send one message, tensors zero-copy. ``prefix`` carries ROUTER routing frames.
+
+    With ``track=True`` the returned tracker is done once ZeroMQ no longer reads the tensors'
+    memory: a sender that will modify those tensors in place must wait for it first.
+    """
+    header_frame, *payload = encode(header, tensors)
+    frames = [*prefix, header_frame]
+    frames += [zmq.Frame(p, copy=False, track=track) for p in payload]
+    socket.send_multipart(frames, copy=False)
+    if track and payload:
+        return zmq.MessageTracker(*frames[len(prefix) + 1 :])
+    return None
+
+
+def decode(frames: Sequence[Any]) -> tuple[Header, list[torch.Tensor]]:
+    """Header and zero-copy tensors from received frames (``zmq.Frame`` or bytes)."""
+    if not frames:
+        raise ProtocolError(ErrorCode.MALFORMED, "empty message")
+    header = Header.unpack(_bytes_of(frames[0]))
+    payload = frames[1:]
+    if len(payload) != len(header.tensors):
+        raise ProtocolError(
+            ErrorCode.MALFORMED,
+            f"header describes {len(header.tensors)} tensors but {len(payload)} frames followed",
+        )
+    tensors = [frame_tensor(_buffer_of(f), d) for f, d in zip(payload, header.tensors, strict=True)]
+    return header, tensors
+
+
+def error_header(request_id: int, code: ErrorCode | str, message: str) -> Header:
+    return Header(op=Op.ERROR, request_id=request_id, body={"code": str(code), "message": message})
+
+
+def _buffer_of(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def _bytes_of(frame: Any) -> bytes | memoryview:
+    return frame.bytes if hasattr(frame, "bytes") else frame

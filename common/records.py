@@ -1,0 +1,42 @@
+"""Run records: JSON lines written as training goes, read back by the launcher and reports."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class RecordWriter:
+    """Appends one JSON object per line; thread-safe, flushed per record so readers see progress."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, default=_jsonable)
+        with self._lock:
+            self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Records in ``path``; a half-written last line (a writer still running) is skipped."""
+    with open(path) as f:
+        for line in f:
+            if line.endswith("\n"):
+                yield json.loads(line)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")

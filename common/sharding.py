@@ -1,0 +1,103 @@
+"""The sharding plan: which slice of which tensor lives on which parameter-server shard.
+
+Tensors are flattened and cut into chunks of at most ``chunk_bytes``; chunks are assigned to shards
+greedily, largest first, each to the shard holding the fewest bytes so far. The plan depends only
+on the model's tensors (names, dtypes, sizes, order), the shard count and the chunk size, so every
+process computes the same plan, and its fingerprint lets a shard refuse a push from another plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from wavelet.common.protocol import TensorDesc, dtype_name
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A contiguous slice ``[offset, offset + numel)`` of one flattened model tensor."""
+
+    key: int
+    name: str
+    offset: int
+    numel: int
+    dtype: str
+    trainable: bool  # parameters are trained by gradients; buffers (BatchNorm stats) are state
+    shard: int
+
+    @property
+    def desc(self) -> TensorDesc:
+        return TensorDesc(self.dtype, (self.numel,))
+
+    @property
+    def nbytes(self) -> int:
+        return self.desc.nbytes
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    chunks: tuple[Chunk, ...]
+    num_shards: int
+    fingerprint: str
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_shards: int, chunk_bytes: int) -> ShardingPlan:
+        return cls.build(model_tensors(model), num_shards, chunk_bytes)
+
+    @classmethod
+    def build(
+        cls,
+        tensors: list[tuple[str, torch.Tensor, bool]],
+        num_shards: int,
+        chunk_bytes: int,
+    ) -> ShardingPlan:
+        """Plan for ``(name, tensor, trainable)`` triples, in the order given."""
+        if num_shards < 1:
+            raise ValueError("a plan needs at least one shard")
+        pieces: list[tuple[str, int, int, str, bool]] = []
+        sizes: list[int] = []
+        for name, t, trainable in tensors:
+            dtype = dtype_name(t.dtype)
+            per_chunk = max(1, chunk_bytes // t.element_size())
+            numel = t.numel()
+            for offset in range(0, max(numel, 1), per_chunk):
+                n = min(per_chunk, numel - offset)
+                pieces.append((name, offset, n, dtype, trainable))
+                sizes.append(n * t.element_size())
+        load = [0] * num_shards
+        owner: dict[int, int] = {}
+        for key in sorted(range(len(pieces)), key=lambda k: (-sizes[k], k)):
+            shard = min(range(num_shards), key=lambda s: (load[s], s))
+            owner[key] = shard
+            load[shard] += sizes[key]
+        chunks = tuple(
+            Chunk(key, name, offset, numel, dtype, trainable, owner[key])
+            for key, (name, offset, numel, dtype, trainable) in enumerate(pieces)
+        )
+        digest = hashlib.sha256(repr((num_shards, chunks)).encode()).hexdigest()[:16]
+        return cls(chunks, num_shards, digest)
+
+    def for_shard(self, shard: int) -> list[Chunk]:
+        return [c for c in self.chunks if c.shard == shard]
+
+    def bytes_per_shard(self) -> list[int]:
+        load = [0] * self.num_shards
+        for c in self.chunks:
+            load[c.shard] += c.nbytes
+        return load
+
+
+def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """Every tensor the PS keeps for ``model``: its parameters, then its persistent buffers."""
+    out = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+    persistent = model.state_dict(keep_vars=True)
+    out += [(n, b, False) for n, b in model.named_buffers() if n in persistent]
+    return out
+
+
+def chunk_view(tensor: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """The 1-D slice of ``tensor`` that ``chunk`` names (a view: writes reach the tensor)."""
+    return tensor.view(-1)[chunk.offset : chunk.offset + chunk.numel]

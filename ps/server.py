@@ -1,0 +1,420 @@
+"""ShardServer: one shard's ROUTER socket and event loop.
+
+Requests are dispatched to ``rpc_<op>`` methods. Each returns a reply, or ``None`` when it parked a
+pull that the staleness bound does not allow yet; parked pulls are answered as soon as other waves'
+pushes (or departures) allow them, never polled. Any refused request gets an ``error`` reply and
+leaves the shard's parameters as they were; nothing a client sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import zmq
+
+from wavelet.common.config import PSConfig
+from wavelet.common.protocol import (
+    ErrorCode,
+    Header,
+    Op,
+    ProtocolError,
+    decode,
+    error_header,
+    send_message,
+)
+from wavelet.common.records import RecordWriter
+from wavelet.ps.shard import Shard
+from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats, wave_name
+
+log = logging.getLogger("wavelet.ps")
+
+Reply = tuple[Header, list[torch.Tensor]]
+REQUEST_OPS = (
+    Op.REGISTER,
+    Op.INIT,
+    Op.PULL,
+    Op.PUSH,
+    Op.PUSH_PULL,
+    Op.LEAVE,
+    Op.STATS,
+    Op.CHECKPOINT,
+    Op.SHUTDOWN,
+)
+SEND_WAIT_S = 30.0  # longest wait for ZeroMQ to release parameter memory before an update
+
+
+@dataclass
+class _ParkedPull:
+    identity: bytes
+    request_id: int
+    wave: WaveId
+    clock: int
+    since: float
+
+
+class ShardServer:
+    """Serves one shard of the parameters over a ROUTER socket bound to ``config.bind``."""
+
+    def __init__(self, config: PSConfig, context: zmq.Context | None = None):
+        self.config = config
+        self.shard = Shard(config.job.optimizer)
+        self.clocks = ClockTable()
+        self.bound = StalenessBound(config.job.staleness)
+        self.stats: dict[WaveId, WaveStats] = {}
+        self.parked: list[_ParkedPull] = []
+        self.rejected = 0
+        # Bulk-synchronous accumulation: the sum of this clock's gradients and who sent them.
+        self._sum: dict[int, torch.Tensor] | None = None
+        self._sum_clock = -1
+        self._sum_count = 0
+        self._sends: list[zmq.MessageTracker] = []
+        self._stopping = False
+        self._handlers = {op: getattr(self, f"rpc_{op}") for op in REQUEST_OPS}
+        self.push_log = None
+        if config.run_dir:
+            path = Path(config.run_dir) / "records" / f"ps-{config.shard_index}-pushes.jsonl"
+            self.push_log = RecordWriter(path)
+
+        self.context = context or zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(config.bind)
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        if config.ready_file:
+            _write_atomically(Path(config.ready_file), self.address)
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def serve_forever(self, poll_ms: int = 100) -> None:
+        """Serve until ``stop()`` (a signal handler may call it) or a ``shutdown`` request."""
+        log.info("shard %d serving on %s", self.config.shard_index, self.address)
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                if poller.poll(poll_ms):
+                    # Drain what is queued before polling again.
+                    while not self._stopping:
+                        try:
+                            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.handle(frames)
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        for p in self.parked:
+            self._send_error(
+                p.identity, p.request_id, ErrorCode.SHUTTING_DOWN, "shard is shutting down"
+            )
+        self.parked.clear()
+        self.socket.close(linger=500)
+        if self.push_log:
+            self.push_log.close()
+        log.info("shard %d stopped at version %d", self.config.shard_index, self.shard.version)
+
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        """Answer one request (routing frame first); never raises."""
+        identity = frames[0].bytes
+        request_id = 0
+        try:
+            header, tensors = decode(frames[1:])
+            request_id = header.request_id
+            handler = self._handlers.get(header.op)
+            if handler is None:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_OP,
+                    f"unknown op {header.op!r}; known: " + ", ".join(str(o) for o in REQUEST_OPS),
+                )
+            reply = handler(identity, header, tensors)
+        except ProtocolError as e:
+            self._reject(identity, request_id, e.code, e.message, frames)
+            return
+        except Exception as e:  # a bug, not the client's fault: say so and keep serving
+            log.error("internal error:\n%s", traceback.format_exc())
+            self._reject(
+                identity, request_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", frames
+            )
+            return
+        if reply is not None:
+            self._send(identity, *reply)
+        self._release_parked()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def rpc_register(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
+        wave = self._wave_of(h)
+        if self.shard.initialized:
+            self.shard.check_plan(h.plan)
+        clock = max(h.clock, 0)
+        self.clocks.join(wave, clock)
+        self.stats.setdefault(wave, WaveStats())
+        log.info("wave %s joined at clock %d", wave_name(wave), clock)
+        return self._ok(h, clock=clock)
+
+    def rpc_init(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
+        trainable = h.body.get("trainable")
+        if not isinstance(trainable, list) or not all(isinstance(t, bool) for t in trainable):
+            raise ProtocolError(ErrorCode.MALFORMED, "init needs body.trainable: a list of bools")
+        seeded = self.shard.initialize(h.plan, h.keys, tensors, trainable)
+        return self._ok(h, seeded=seeded)
+
+    def rpc_pull(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply | None:
+        if h.body.get("observer") is True:
+            # Evaluation and tools read the current weights; they are not a wave and never park.
+            self.shard.check_plan(h.plan)
+            return self._weights(h.request_id, None, h.clock, parked_s=0.0)
+        wave = self._registered(h)
+        return self._pull_or_park(identity, h.request_id, wave, h.clock)
+
+    def rpc_push(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
+        self._push(h, tensors)
+        return self._ok(h)
+
+    def rpc_push_pull(
+        self, identity: bytes, h: Header, tensors: list[torch.Tensor]
+    ) -> Reply | None:
+        wave = self._push(h, tensors)
+        return self._pull_or_park(identity, h.request_id, wave, self.clocks.clocks[wave])
+
+    def rpc_leave(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
+        wave = self._registered(h)
+        self.clocks.leave(wave)
+        log.info("wave %s left at clock %d", wave_name(wave), self.clocks.clocks[wave])
+        self._maybe_apply_sum()
+        return self._ok(h)
+
+    def rpc_stats(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
+        waves = {}
+        for wave, st in self.stats.items():
+            waves[wave_name(wave)] = {
+                "clock": self.clocks.clocks.get(wave, 0),
+                "live": wave in self.clocks.live,
+                **st.summary(),
+            }
+        return self._ok(
+            h,
+            shard=self.config.shard_index,
+            version=self.shard.version,
+            staleness_bound=str(self.bound.s),
+            parked_now=len(self.parked),
+            rejected=self.rejected,
+            waves=waves,
+        )
+
+    def rpc_checkpoint(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
+        path = self.write_checkpoint()
+        return self._ok(h, path=str(path))
+
+    def rpc_shutdown(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
+        self.stop()
+        return self._ok(h)
+
+    # --- pushes and pulls ---------------------------------------------------------------------
+
+    def _push(self, h: Header, tensors: list[torch.Tensor]) -> WaveId:
+        """Validate a push completely, then apply or accumulate it."""
+        wave = self._registered(h)
+        shard = self.shard
+        shard.check_plan(h.plan)
+        clock = self.clocks.clocks[wave]
+        if h.clock != clock:
+            raise ProtocolError(
+                ErrorCode.STALE_CLOCK,
+                f"push for clock {h.clock}, but wave {wave_name(wave)} is at "
+                f"clock {clock}; each clock is pushed once, in order",
+            )
+        if h.read_version < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "push needs the version it read (read >= 0)")
+        if h.read_version > shard.version:
+            raise ProtocolError(
+                ErrorCode.FUTURE_VERSION,
+                f"read version {h.read_version} is newer than this shard's version {shard.version}",
+            )
+        if wave not in self.clocks.live:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED, f"wave {wave_name(wave)} left; register again to push"
+            )
+        if self.bound.synchronous and self._sum is not None and clock != self._sum_clock:
+            raise ProtocolError(
+                ErrorCode.STALE_CLOCK,
+                f"bulk-synchronous clock {self._sum_clock} is still open; "
+                f"pull before pushing clock {clock}",
+            )
+        shard.check_push(h.keys, tensors)
+
+        tau = shard.version - h.read_version
+        grads = shard.gradients(tensors)
+        self._wait_sends()
+        shard.store_buffers(wave, tensors)
+        if self.bound.synchronous:
+            if self._sum is None:
+                self._sum = {k: g.clone() for k, g in grads.items()}
+                self._sum_clock, self._sum_count = clock, 1
+            else:
+                for k, g in grads.items():
+                    self._sum[k].add_(g)
+                self._sum_count += 1
+            action = "accumulated"
+        else:
+            shard.apply(grads)
+            action = "applied"
+        self.clocks.advance(wave)
+        self.stats[wave].record_push(tau)
+        if self.push_log:
+            self.push_log.write(
+                {
+                    "t": time.time(),
+                    "worker": wave[0],
+                    "wave": wave[1],
+                    "clock": clock,
+                    "read_version": h.read_version,
+                    "version": shard.version,
+                    "staleness": tau,
+                    "action": action,
+                }
+            )
+        self._maybe_apply_sum()
+        return wave
+
+    def _maybe_apply_sum(self) -> None:
+        """Bulk-synchronous: apply the mean once every live wave has pushed the open clock."""
+        if self._sum is None:
+            return
+        slowest = self.clocks.min_live_clock()
+        if slowest is not None and slowest <= self._sum_clock:
+            return
+        grads = {k: s.div_(self._sum_count) for k, s in self._sum.items()}
+        self._wait_sends()
+        self.shard.apply(grads)
+        self._sum, self._sum_count = None, 0
+
+    def _pull_or_park(
+        self, identity: bytes, request_id: int, wave: WaveId, clock: int
+    ) -> Reply | None:
+        if self._may_read(clock):
+            return self._weights(request_id, wave, clock, parked_s=0.0)
+        self.parked.append(_ParkedPull(identity, request_id, wave, clock, time.monotonic()))
+        self.stats[wave].parked += 1
+        return None
+
+    def _may_read(self, clock: int) -> bool:
+        if not self.shard.initialized:
+            return False
+        if len(self.clocks.clocks) < self.config.expect_waves:
+            return False  # start barrier: wait for the whole job to register
+        if self.bound.synchronous and self._sum is not None and clock > self._sum_clock:
+            return False
+        return self.bound.may_read(clock, self.clocks)
+
+    def _release_parked(self) -> None:
+        if not self.parked:
+            return
+        still = []
+        for p in self.parked:
+            if self._may_read(p.clock):
+                waited = time.monotonic() - p.since
+                self.stats[p.wave].parked_s += waited
+                self._send(p.identity, *self._weights(p.request_id, p.wave, p.clock, waited))
+            else:
+                still.append(p)
+        self.parked = still
+
+    def _weights(self, request_id: int, wave: WaveId | None, clock: int, parked_s: float) -> Reply:
+        if wave is not None:
+            self.stats[wave].record_read(clock, self.shard.version)
+        h = Header(
+            op=Op.REPLY,
+            request_id=request_id,
+            keys=self.shard.keys,
+            body={"version": self.shard.version, "clock": clock, "parked_s": parked_s},
+        )
+        return h, self.shard.values()
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _wave_of(self, h: Header) -> WaveId:
+        if not h.worker or h.wave < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "request needs worker and wave (>= 0)")
+        return (h.worker, h.wave)
+
+    def _registered(self, h: Header) -> WaveId:
+        wave = self._wave_of(h)
+        if wave not in self.clocks.clocks:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED,
+                f"wave {wave_name(wave)} has not registered with this shard",
+            )
+        return wave
+
+    def _ok(self, h: Header, **body) -> Reply:
+        body.setdefault("version", self.shard.version)
+        return Header(op=Op.REPLY, request_id=h.request_id, body=body), []
+
+    def _send(self, identity: bytes, header: Header, tensors: list[torch.Tensor]) -> None:
+        tracker = send_message(self.socket, header, tensors, prefix=[identity], track=True)
+        if tracker is not None:
+            self._sends.append(tracker)
+
+    def _wait_sends(self) -> None:
+        """Parameters go out zero-copy: wait until ZeroMQ has released them before changing them."""
+        for t in self._sends:
+            try:
+                t.wait(SEND_WAIT_S)
+            except zmq.NotDone:
+                log.warning("a reply took over %.0fs to send; updating anyway", SEND_WAIT_S)
+        self._sends.clear()
+
+    def _reject(
+        self,
+        identity: bytes,
+        request_id: int,
+        code: ErrorCode,
+        message: str,
+        frames: list[zmq.Frame],
+    ) -> None:
+        self.rejected += 1
+        try:  # count it against the wave, when the header is readable enough to name one
+            wave = self._wave_of(Header.unpack(frames[1].bytes))
+        except (ProtocolError, IndexError):
+            wave = None
+        if wave in self.stats:
+            self.stats[wave].rejected[str(code)] += 1
+        log.warning("rejected request %d: [%s] %s", request_id, code, message)
+        self._send_error(identity, request_id, code, message)
+
+    def _send_error(self, identity: bytes, request_id: int, code: ErrorCode, message: str) -> None:
+        send_message(self.socket, error_header(request_id, code, message), prefix=[identity])
+
+    def write_checkpoint(self) -> Path:
+        """Parameters, optimizer state, version and clocks, written atomically."""
+        if not self.config.run_dir:
+            raise ProtocolError(ErrorCode.MALFORMED, "this shard was started without a run dir")
+        path = Path(self.config.run_dir) / "checkpoints" / f"shard-{self.config.shard_index}.pt"
+        state = self.shard.state_dict()
+        state["clocks"] = {wave_name(w): c for w, c in self.clocks.clocks.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

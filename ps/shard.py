@@ -1,0 +1,186 @@
+"""One shard's state: its chunks of the model, the server-side optimizer, and the version counter.
+
+No networking here (that is ``ps/server.py``): the shard validates what it is given and changes its
+parameters only once a whole push has been validated, so a bad request never leaves half an update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from wavelet.common.config import OptimizerConfig
+from wavelet.common.protocol import ErrorCode, ProtocolError, TensorDesc
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    key: int
+    desc: TensorDesc
+    trainable: bool
+
+
+class Shard:
+    """Parameters and optimizer state for the chunks the sharding plan gives this shard.
+
+    Trainable chunks are updated by the optimizer. Buffers (BatchNorm running statistics and other
+    non-trainable state) are not trained: each wave uploads its current values with every push and
+    a pull returns their mean over the waves that uploaded (integer buffers such as
+    ``num_batches_tracked`` take the maximum), so evaluation sees statistics from all the data.
+    """
+
+    def __init__(self, optimizer: OptimizerConfig):
+        self.optimizer_config = optimizer
+        self.plan = ""
+        self.specs: list[ChunkSpec] = []
+        self.params: dict[int, torch.nn.Parameter] = {}
+        self.buffers: dict[int, torch.Tensor] = {}  # initial values, until a wave uploads its own
+        self.wave_buffers: dict[object, dict[int, torch.Tensor]] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.version = 0  # updates applied
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self.plan)
+
+    @property
+    def keys(self) -> list[int]:
+        return [s.key for s in self.specs]
+
+    def initialize(
+        self,
+        plan: str,
+        keys: Sequence[int],
+        values: Sequence[torch.Tensor],
+        trainable: Sequence[bool],
+    ) -> bool:
+        """Seed the shard from a wave's initial weights; returns False if it already was seeded."""
+        if self.initialized:
+            self.check_plan(plan)
+            return False
+        if not plan:
+            raise ProtocolError(ErrorCode.MALFORMED, "init needs the plan fingerprint")
+        if not (len(keys) == len(values) == len(trainable)):
+            raise ProtocolError(ErrorCode.MALFORMED, "init needs one tensor and flag per key")
+        if len(set(keys)) != len(keys):
+            raise ProtocolError(ErrorCode.MALFORMED, "init names a key twice")
+        for v, t in zip(values, trainable, strict=True):
+            if t and not v.is_floating_point():
+                raise ProtocolError(ErrorCode.BAD_DTYPE, "trainable chunks must be floating point")
+            if v.dim() != 1:
+                raise ProtocolError(ErrorCode.BAD_SHAPE, "chunks travel as 1-D tensors")
+        self.specs = [
+            ChunkSpec(k, TensorDesc.of(v), bool(t))
+            for k, v, t in zip(keys, values, trainable, strict=True)
+        ]
+        for spec, value in zip(self.specs, values, strict=True):
+            if spec.trainable:
+                self.params[spec.key] = torch.nn.Parameter(value.clone())
+            else:
+                self.buffers[spec.key] = value.clone()
+        self.optimizer = self.optimizer_config.build(list(self.params.values()))
+        self.plan = plan
+        return True
+
+    def check_plan(self, plan: str) -> None:
+        if not self.initialized:
+            raise ProtocolError(
+                ErrorCode.NOT_INITIALIZED, "shard holds no parameters yet; a wave must init it"
+            )
+        if plan != self.plan:
+            raise ProtocolError(
+                ErrorCode.PLAN_MISMATCH,
+                f"sharding plan {plan!r} differs from this shard's {self.plan!r}: workers and "
+                "shards must use the same model, shard count and chunk size",
+            )
+
+    def check_push(self, keys: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """Raise unless ``tensors`` are exactly this shard's chunks, well-formed and finite."""
+        if list(keys) != self.keys:
+            unknown = sorted(set(keys) - set(self.keys))
+            if unknown:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_KEY, f"key {unknown[0]} is not held by this shard"
+                )
+            raise ProtocolError(
+                ErrorCode.PLAN_MISMATCH,
+                f"push must carry this shard's {len(self.keys)} chunks in plan order, "
+                f"got {len(keys)}",
+            )
+        for spec, t in zip(self.specs, tensors, strict=True):
+            if t.dtype != spec.desc.torch_dtype:
+                raise ProtocolError(
+                    ErrorCode.BAD_DTYPE,
+                    f"key {spec.key}: dtype {t.dtype} where {spec.desc.dtype} is expected",
+                )
+            if tuple(t.shape) != spec.desc.shape:
+                raise ProtocolError(
+                    ErrorCode.BAD_SHAPE,
+                    f"key {spec.key}: shape {list(t.shape)} where {list(spec.desc.shape)} "
+                    "is expected",
+                )
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                kind = "gradient" if spec.trainable else "buffer"
+                raise ProtocolError(
+                    ErrorCode.NON_FINITE,
+                    f"key {spec.key}: {kind} holds NaN or Inf; nothing was applied",
+                )
+
+    def gradients(self, tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {s.key: t for s, t in zip(self.specs, tensors, strict=True) if s.trainable}
+
+    def store_buffers(self, wave: object, tensors: Sequence[torch.Tensor]) -> None:
+        """Keep ``wave``'s buffer values (copied: the frames they arrived in are released)."""
+        values = {
+            s.key: t.clone() for s, t in zip(self.specs, tensors, strict=True) if not s.trainable
+        }
+        if values:
+            self.wave_buffers[wave] = values
+
+    def apply(self, grads: dict[int, torch.Tensor], lr_scale: float = 1.0) -> None:
+        """One optimizer step with ``grads`` (already validated); bumps the version."""
+        assert self.optimizer is not None
+        for key, p in self.params.items():
+            p.grad = grads[key]
+        if lr_scale != 1.0:
+            saved = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * lr_scale
+        self.optimizer.step()
+        if lr_scale != 1.0:
+            for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
+                g["lr"] = lr
+        for p in self.params.values():
+            p.grad = None
+        self.version += 1
+
+    def values(self) -> list[torch.Tensor]:
+        """Current value of every chunk, in plan order (parameters are returned without copy)."""
+        out = []
+        for spec in self.specs:
+            if spec.trainable:
+                out.append(self.params[spec.key].detach())
+            else:
+                out.append(self._buffer_value(spec))
+        return out
+
+    def _buffer_value(self, spec: ChunkSpec) -> torch.Tensor:
+        uploads = [b[spec.key] for b in self.wave_buffers.values() if spec.key in b]
+        if not uploads:
+            return self.buffers[spec.key]
+        stacked = torch.stack(uploads)
+        if stacked.is_floating_point():
+            return stacked.mean(0)
+        return stacked.max(0).values
+
+    def state_dict(self) -> dict:
+        return {
+            "plan": self.plan,
+            "version": self.version,
+            "keys": self.keys,
+            "values": [v.clone() for v in self.values()],
+            "trainable": [s.trainable for s in self.specs],
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+        }

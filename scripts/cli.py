@@ -1,0 +1,260 @@
+"""The ``wavelet`` command: ``launch``, ``ps``, ``worker`` and ``stats``.
+
+Every subcommand that runs training reads a job from ``--config FILE`` (TOML or JSON), then applies
+the job flags (``--epochs 5``, ``--staleness inf``, ...) and ``--set key=value`` overrides.
+A bad flag or value prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from wavelet.common.config import (
+    ConfigError,
+    JobConfig,
+    LaunchConfig,
+    PSConfig,
+    WorkerConfig,
+    apply_override,
+    from_dict,
+    load_toml,
+    parse_override,
+)
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        _usage_exit(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _usage_exit(message: str) -> NoReturn:
+    print(f"wavelet: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+# --- job flags -------------------------------------------------------------------------------
+
+_JOB_FLAGS = [
+    f.name
+    for f in dataclasses.fields(JobConfig)
+    if f.name != "optimizer" and not f.name.endswith("_kwargs")
+]
+
+
+def _add_job_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job (override the --config file)")
+    g.add_argument("--config", help="job file, TOML or JSON (see configs/)")
+    for name in _JOB_FLAGS:
+        default = JobConfig.__dataclass_fields__[name].default
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=f"job.{name}",
+            metavar="V",
+            help=f"(default {default})",
+        )
+    g.add_argument(
+        "--optimizer",
+        dest="job.optimizer.name",
+        metavar="NAME",
+        help="torch.optim optimizer by name (default sgd)",
+    )
+    g.add_argument("--lr", dest="job.optimizer.lr", metavar="V", help="learning rate")
+    g.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any job setting, e.g. optimizer.kwargs.momentum=0.8 or "
+        "dataset_kwargs.train_size=4096 (repeatable)",
+    )
+
+
+def job_from_args(args: argparse.Namespace) -> JobConfig:
+    data: dict[str, Any] = {}
+    if args.config:
+        if args.config.endswith(".json"):
+            try:
+                with open(args.config) as f:
+                    data = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ConfigError(f"cannot read {args.config}: {e}") from None
+        else:
+            data = load_toml(args.config)
+    for dest, raw in vars(args).items():
+        if dest.startswith("job.") and raw is not None:
+            _, value = parse_override(f"x={raw}")
+            if dest.endswith(".name") or dest in ("job.model", "job.dataset"):
+                value = raw  # names stay strings even when they look like numbers
+            apply_override(data, dest.split(".")[1:], value)
+    for text in args.overrides:
+        apply_override(data, *parse_override(text))
+    return from_dict(JobConfig, data)
+
+
+# --- subcommands ------------------------------------------------------------------------------
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from wavelet.scripts.launch import launch
+
+    config = LaunchConfig(
+        job=job_from_args(args),
+        devices=args.devices.split(","),
+        run_dir=args.run_dir or "",
+        host=args.host,
+    )
+    return launch(config, schedule=args.schedule, quiet=args.quiet)
+
+
+def _cmd_ps(args: argparse.Namespace) -> int:
+    from wavelet.ps.server import ShardServer
+
+    config = PSConfig(
+        job=job_from_args(args),
+        shard_index=args.shard_index,
+        bind=args.bind,
+        expect_waves=args.expect_waves,
+        ready_file=args.ready_file or "",
+        run_dir=args.run_dir or "",
+    )
+    import torch
+
+    torch.set_num_threads(config.threads)
+    server = ShardServer(config)
+    _on_signals(server.stop)
+    print(f"shard {config.shard_index} listening on {server.address}", flush=True)
+    server.serve_forever()
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from wavelet.worker.daemon import WorkerDaemon
+
+    config = WorkerConfig(
+        job=job_from_args(args),
+        shard_addresses=args.shard,
+        device=args.device,
+        rank=args.rank,
+        num_workers=args.num_workers,
+        threads=args.threads,
+        run_dir=args.run_dir,
+    )
+    daemon = WorkerDaemon(config, schedule=args.schedule)
+    _on_signals(daemon.stop)
+    return daemon.run()
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from wavelet.scripts.stats import print_stats
+
+    return print_stats(args.addresses, timeout_s=args.timeout)
+
+
+def _on_signals(stop: Callable[[], None]) -> None:
+    def handler(signum, frame):
+        logging.getLogger("wavelet").info("received %s, shutting down", signal.Signals(signum).name)
+        stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="wavelet",
+        description="Tick-tock data-parallel training on a sharded parameter server.",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    launch = sub.add_parser(
+        "launch", help="run a whole job on this machine (the default job trains the digits CNN)"
+    )
+    _add_job_flags(launch)
+    launch.add_argument(
+        "--devices",
+        default="cpu",
+        help="comma-separated devices, one worker each: cpu, cuda:0,cuda:1, "
+        "or cpu,cpu for two CPU workers (default cpu)",
+    )
+    launch.add_argument("--run-dir", help="where logs and records go (default runs/<time>)")
+    launch.add_argument("--host", default="127.0.0.1", help="address the shards bind")
+    launch.add_argument(
+        "--schedule",
+        choices=["ticktock", "together"],
+        default="ticktock",
+        help="ticktock: forwards take turns; together: waves start at once",
+    )
+    launch.add_argument("--quiet", action="store_true", help="no progress lines")
+    launch.set_defaults(run=_cmd_launch)
+
+    ps = sub.add_parser("ps", help="run one parameter-server shard daemon")
+    _add_job_flags(ps)
+    ps.add_argument("--shard-index", type=int, default=0)
+    ps.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:0",
+        help="ZeroMQ address to listen on; port 0 picks a free one",
+    )
+    ps.add_argument(
+        "--expect-waves",
+        type=int,
+        default=0,
+        help="hold first pulls until this many waves registered (0: no barrier)",
+    )
+    ps.add_argument("--ready-file", help="write the bound address here once listening")
+    ps.add_argument("--run-dir", help="per-push records and checkpoints go here")
+    ps.set_defaults(run=_cmd_ps)
+
+    worker = sub.add_parser("worker", help="run the waves of one device")
+    _add_job_flags(worker)
+    worker.add_argument(
+        "--shard",
+        action="append",
+        default=[],
+        required=True,
+        metavar="ADDRESS",
+        help="a shard's address, once per shard, in order",
+    )
+    worker.add_argument("--device", default="cpu")
+    worker.add_argument("--rank", type=int, default=0)
+    worker.add_argument("--num-workers", type=int, default=1)
+    worker.add_argument(
+        "--threads", type=int, default=0, help="torch threads for this process (0: all cores)"
+    )
+    worker.add_argument("--run-dir", default="runs/latest")
+    worker.add_argument("--schedule", choices=["ticktock", "together"], default="ticktock")
+    worker.set_defaults(run=_cmd_worker)
+
+    stats = sub.add_parser("stats", help="print live shards' versions, clocks and staleness")
+    stats.add_argument("addresses", nargs="+", metavar="ADDRESS")
+    stats.add_argument("--timeout", type=float, default=5.0)
+    stats.set_defaults(run=_cmd_stats)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        return args.run(args)
+    except ConfigError as e:
+        _usage_exit(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""``wavelet launch``: a whole job on this machine, as child processes.
+
+Starts the shard daemons, waits for each to announce its address, starts one worker daemon per
+device, shows progress from the workers' records, and at the end tests the shards' weights and
+prints accuracy, throughput and staleness per wave. Everything is torn down on success, on Ctrl-C
+and as soon as any child fails, whose error is then shown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from wavelet.common.config import LaunchConfig, to_dict
+from wavelet.common.protocol import Op
+from wavelet.common.records import read_records
+from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
+from wavelet.worker.client import call_shard
+from wavelet.worker.evaluate import evaluate_shards
+
+READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, child: Child, code: int | None):
+        self.child = child
+        super().__init__(
+            f"{child.name} exited with status {code}; last lines of {child.log}:\n{child.tail()}"
+        )
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, so no daemon is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Job:
+    config: LaunchConfig
+    run_dir: Path
+    schedule: str
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        log = self.run_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "wavelet.scripts.cli", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def check(self, allow_exit: tuple[Child, ...] = ()) -> None:
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None and (code != 0 or c not in allow_exit):
+                raise ChildFailed(c, code)
+
+    def teardown(self) -> None:
+        """SIGTERM every child still running, wait, then SIGKILL what is left."""
+        alive = [c for c in self.children if c.proc.poll() is None]
+        for c in alive:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in alive:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def launch(config: LaunchConfig, schedule: str = "ticktock", quiet: bool = False) -> int:
+    job_cfg = config.job
+    run_dir = Path(config.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_file = run_dir / "job.json"
+    job_file.write_text(json.dumps(to_dict(job_cfg), indent=2, default=str))
+    job = Job(config, run_dir, schedule)
+    total_waves = len(config.devices) * job_cfg.waves
+    cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
+    threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+    started = time.monotonic()
+    try:
+        shards = []
+        for i in range(job_cfg.shards):
+            ready = run_dir / f"ps-{i}.addr"
+            ready.unlink(missing_ok=True)
+            child = job.spawn(
+                f"ps-{i}",
+                [
+                    "ps",
+                    "--config",
+                    str(job_file),
+                    "--shard-index",
+                    str(i),
+                    "--bind",
+                    f"tcp://{config.host}:0",
+                    "--expect-waves",
+                    str(total_waves),
+                    "--ready-file",
+                    str(ready),
+                    "--run-dir",
+                    str(run_dir),
+                ],
+            )
+            shards.append((child, ready))
+        addresses = [_wait_ready(job, child, ready) for child, ready in shards]
+        workers = []
+        for rank, device in enumerate(config.devices):
+            args = [
+                "worker",
+                "--config",
+                str(job_file),
+                "--device",
+                device,
+                "--rank",
+                str(rank),
+                "--num-workers",
+                str(len(config.devices)),
+                "--threads",
+                str(threads),
+                "--run-dir",
+                str(run_dir),
+                "--schedule",
+                schedule,
+            ]
+            for a in addresses:
+                args += ["--shard", a]
+            workers.append(job.spawn(f"worker-{rank}", args))
+        _say(
+            quiet,
+            f"run dir {run_dir}: {job_cfg.shards} shard(s), {len(config.devices)} "
+            f"worker(s) x {job_cfg.waves} wave(s), model {job_cfg.model} on {job_cfg.dataset}",
+        )
+        progress = Progress(run_dir, job_cfg.epochs)
+        while any(w.proc.poll() is None for w in workers):
+            job.check(allow_exit=tuple(workers))
+            time.sleep(0.25)
+            if not quiet and progress.due():
+                print(progress.line(time.monotonic() - started), flush=True)
+        job.check(allow_exit=tuple(workers))
+        summary = _finish(job, addresses, progress)
+        _say(quiet, "")
+        print(format_summary(summary), flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the job", file=sys.stderr)
+        return 130
+    except ChildFailed as e:
+        print(f"wavelet launch: {e}", file=sys.stderr)
+        return 1
+    finally:
+        job.teardown()
+
+
+def _wait_ready(job: Job, child: Child, ready: Path) -> str:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready.exists():
+        job.check()
+        if time.monotonic() > deadline:
+            raise ChildFailed(child, None)
+        time.sleep(0.05)
+    return ready.read_text().strip()
+
+
+def _finish(job: Job, addresses: list[str], progress: Progress) -> dict:
+    cfg = job.config.job
+    progress.read()
+    accuracy = evaluate_shards(addresses, cfg)
+    stats = merge_wave_stats(fetch_stats(addresses))
+    for a in addresses:
+        call_shard(a, Op.SHUTDOWN)
+    summary = {
+        "run_dir": str(job.run_dir),
+        "test_accuracy": accuracy,
+        "samples": progress.samples,
+        "train_seconds": progress.elapsed(),
+        "samples_per_s": progress.samples / max(progress.elapsed(), 1e-9),
+        "waves": stats,
+    }
+    (job.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    return "\n".join(
+        [
+            f"final test accuracy: {100 * s['test_accuracy']:.2f}%",
+            f"throughput: {s['samples_per_s']:.0f} samples/s ({s['samples']} samples in "
+            f"{s['train_seconds']:.1f}s, all waves)",
+            "staleness per wave (updates applied between a wave's read and its push):",
+            format_wave_table(s["waves"]),
+            f"records, logs and summary.json: {s['run_dir']}",
+        ]
+    )
+
+
+class Progress:
+    """Reads the workers' records as they grow and summarises them in one line."""
+
+    def __init__(self, run_dir: Path, epochs: int, every_s: float = 2.0):
+        self.dir = run_dir / "records"
+        self.epochs = epochs
+        self.every_s = every_s
+        self._offsets: dict[Path, int] = {}
+        self._next = time.monotonic() + every_s
+        self.samples = 0
+        self.first_t: float | None = None
+        self.last_t: float | None = None
+        self.loss: dict[str, float] = {}
+        self.epoch = 0
+        self.steps = 0
+        self.accuracy: float | None = None
+
+    def due(self) -> bool:
+        if time.monotonic() < self._next:
+            return False
+        self._next = time.monotonic() + self.every_s
+        return True
+
+    def read(self) -> None:
+        for path in sorted(self.dir.glob("worker-*.jsonl")):
+            with open(path) as f:
+                f.seek(self._offsets.get(path, 0))
+                for line in f:
+                    if not line.endswith("\n"):
+                        break
+                    self._offsets[path] = self._offsets.get(path, 0) + len(line.encode())
+                    self._take(path.stem, json.loads(line))
+
+    def _take(self, wave: str, r: dict) -> None:
+        if r["kind"] == "start":
+            self.first_t = r["t"] if self.first_t is None else min(self.first_t, r["t"])
+        elif r["kind"] == "step":
+            self.samples += r["samples"]
+            self.steps += 1
+            self.epoch = max(self.epoch, r["epoch"] + 1)
+            self.loss[wave] = r["loss"]
+            self.last_t = r["t"] if self.last_t is None else max(self.last_t, r["t"])
+        elif r["kind"] == "eval":
+            self.accuracy = r["test_acc"]
+
+    def elapsed(self) -> float:
+        if self.first_t is None or self.last_t is None:
+            return 0.0
+        return self.last_t - self.first_t
+
+    def line(self, wall: float) -> str:
+        self.read()
+        loss = sum(self.loss.values()) / len(self.loss) if self.loss else float("nan")
+        rate = self.samples / self.elapsed() if self.elapsed() > 0 else 0.0
+        acc = f"  test acc {100 * self.accuracy:.1f}%" if self.accuracy is not None else ""
+        epochs = f"/{self.epochs}" if self.epochs else ""
+        return (
+            f"[{wall:6.1f}s] epoch {self.epoch}{epochs}  steps {self.steps}  "
+            f"loss {loss:.4f}  {rate:.0f} samples/s{acc}"
+        )
+
+
+def _say(quiet: bool, text: str) -> None:
+    if not quiet:
+        print(text, flush=True)
+
+
+def records_of(run_dir: Path) -> dict[str, list[dict]]:
+    """Every worker record file of a run, by file name."""
+    return {p.stem: list(read_records(p)) for p in sorted((run_dir / "records").glob("*.jsonl"))}

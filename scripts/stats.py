@@ -1,0 +1,87 @@
+"""``wavelet stats``: what live shards know of every wave (clock, versions read, staleness)."""
+
+from __future__ import annotations
+
+import sys
+
+from wavelet.common.protocol import Op, RemoteError
+from wavelet.worker.client import ShardTimeout, call_shard
+
+
+def fetch_stats(addresses: list[str], timeout_s: float = 5.0) -> list[dict]:
+    return [call_shard(a, Op.STATS, timeout_s).body for a in addresses]
+
+
+def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
+    """Per wave, over all shards: pushes and parking summed, staleness histograms added up."""
+    waves: dict[str, dict] = {}
+    for shard in shards:
+        for name, w in shard["waves"].items():
+            m = waves.setdefault(
+                name,
+                {
+                    "clock": 0,
+                    "pushes": 0,
+                    "hist": {},
+                    "parked": 0,
+                    "parked_s": 0.0,
+                    "last_read": {},
+                    "rejected": 0,
+                },
+            )
+            m["clock"] = max(m["clock"], w["clock"])
+            m["pushes"] += w["pushes"]
+            m["parked"] += w["parked"]
+            m["parked_s"] = max(m["parked_s"], w["parked_s"])
+            m["rejected"] += sum(w["rejected"].values())
+            for tau, n in w["staleness_hist"].items():
+                m["hist"][int(tau)] = m["hist"].get(int(tau), 0) + n
+            if w["reads"]:
+                m["last_read"][shard["shard"]] = w["reads"][-1][1]
+    for m in waves.values():
+        total = sum(m["hist"].values())
+        m["staleness_mean"] = sum(t * n for t, n in m["hist"].items()) / total if total else 0.0
+        m["staleness_max"] = max(m["hist"], default=0)
+        m["staleness_p99"] = _quantile(m["hist"], 0.99)
+    return waves
+
+
+def _quantile(hist: dict[int, int], q: float) -> int:
+    total = sum(hist.values())
+    seen = 0
+    for tau in sorted(hist):
+        seen += hist[tau]
+        if seen >= q * total:
+            return tau
+    return 0
+
+
+def format_wave_table(waves: dict[str, dict]) -> str:
+    lines = [
+        f"{'wave':<8} {'clock':>6} {'pushes':>7} {'stale mean':>10} {'p99':>4} {'max':>4} "
+        f"{'parked':>7} {'bound wait s':>12}  histogram (staleness: pushes)"
+    ]
+    for name in sorted(waves):
+        w = waves[name]
+        hist = " ".join(f"{t}:{n}" for t, n in sorted(w["hist"].items()))
+        lines.append(
+            f"{name:<8} {w['clock']:>6} {w['pushes']:>7} {w['staleness_mean']:>10.2f} "
+            f"{w['staleness_p99']:>4} {w['staleness_max']:>4} {w['parked']:>7} "
+            f"{w['parked_s']:>12.2f}  {hist}"
+        )
+    return "\n".join(lines)
+
+
+def print_stats(addresses: list[str], timeout_s: float = 5.0) -> int:
+    try:
+        shards = fetch_stats(addresses, timeout_s)
+    except (ShardTimeout, RemoteError) as e:
+        print(f"wavelet stats: {e}", file=sys.stderr)
+        return 1
+    for s in shards:
+        print(
+            f"shard {s['shard']}: version {s['version']}, staleness bound {s['staleness_bound']}, "
+            f"{s['parked_now']} pull(s) parked, {s['rejected']} request(s) rejected"
+        )
+    print(format_wave_table(merge_wave_stats(shards)))
+    return 0

@@ -1,0 +1,82 @@
+"""ForwardBaton: the waves of one device take turns at their memory-heavy forward passes.
+
+A wave may start a forward only while it holds the baton, and passes it to the next wave when its
+forward ends; backward, push and pull need no baton. Turns go tick, tock, tick, ... so tock's first
+forward starts when tick's first forward ends: that is the half-cycle offset. Forwards never
+overlap. A wave whose turn it is but which does not come for ``timeout_s`` (dead or stalled)
+loses its turn, and the others go on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger("wavelet.worker")
+
+
+class ForwardBaton:
+    def __init__(self, waves: int, timeout_s: float = 30.0):
+        self._cond = threading.Condition()
+        self._order = list(range(waves))
+        self._active = set(self._order)
+        self._turn = 0
+        self._holder: int | None = None
+        self.timeout_s = timeout_s
+
+    def acquire(self, wave: int) -> float:
+        """Block until it is ``wave``'s turn and no forward runs; returns the seconds waited."""
+        start = time.monotonic()
+        with self._cond:
+            while not (self._holder is None and self._turn == wave):
+                waited = time.monotonic() - start
+                if self._holder is None and waited >= self.timeout_s:
+                    log.warning(
+                        "wave %d skipped stalled wave %d's turn to forward", wave, self._turn
+                    )
+                    break
+                self._cond.wait(
+                    max(0.001, self.timeout_s - waited) if self._holder is None else self.timeout_s
+                )
+            self._holder = wave
+            self._turn = wave
+        return time.monotonic() - start
+
+    def release(self, wave: int) -> None:
+        with self._cond:
+            if self._holder == wave:
+                self._holder = None
+                self._turn = self._next(wave)
+                self._cond.notify_all()
+
+    def leave(self, wave: int) -> None:
+        """``wave`` is done (or failed): the others stop waiting for its turns."""
+        with self._cond:
+            self._active.discard(wave)
+            if self._holder == wave:
+                self._holder = None
+            if self._turn == wave:
+                self._turn = self._next(wave)
+            self._cond.notify_all()
+
+    def _next(self, wave: int) -> int:
+        n = len(self._order)
+        for step in range(1, n + 1):
+            candidate = self._order[(wave + step) % n]
+            if candidate in self._active:
+                return candidate
+        return wave
+
+
+class NoBaton:
+    """Waves started together: forwards may overlap (the baseline tick-tock is compared with)."""
+
+    def acquire(self, wave: int) -> float:
+        return 0.0
+
+    def release(self, wave: int) -> None:
+        pass
+
+    def leave(self, wave: int) -> None:
+        pass

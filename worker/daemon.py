@@ -1,0 +1,89 @@
+"""WorkerDaemon: one process per device, running that device's waves as threads.
+
+Threads rather than processes: on a GPU the waves then share one CUDA caching allocator, so memory
+freed by one wave's backward is really available to the other wave's forward (two processes would
+each hold their own pool), and on the CPU they share one sized thread pool instead of fighting for
+cores. See docs/design.md for the measurements behind this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+import zmq
+
+from wavelet.common.config import WorkerConfig
+from wavelet.common.datasets import build_dataset
+from wavelet.worker.baton import ForwardBaton, NoBaton
+from wavelet.worker.wave import Wave, WaveIdentity
+
+log = logging.getLogger("wavelet.worker")
+
+
+class WorkerDaemon:
+    def __init__(self, config: WorkerConfig, schedule: str = "ticktock"):
+        if schedule not in ("ticktock", "together"):
+            raise ValueError(f"schedule must be ticktock or together, got {schedule!r}")
+        self.config = config
+        self.schedule = schedule
+        self.stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> int:
+        """Train all waves to the end; 0 on success, 1 if any wave failed."""
+        cfg, job = self.config, self.config.job
+        threads = cfg.threads or max(1, (os.cpu_count() or 1))
+        torch.set_num_threads(threads)
+        dataset = build_dataset(job.dataset, job.seed, **job.dataset_kwargs)
+        if self.schedule == "ticktock":
+            baton = ForwardBaton(job.waves, job.baton_timeout_s)
+        else:
+            baton = NoBaton()
+        context = zmq.Context()
+        waves = [
+            Wave(
+                WaveIdentity(
+                    f"w{cfg.rank}", i, cfg.rank * job.waves + i, cfg.num_workers * job.waves
+                ),
+                cfg,
+                dataset,
+                baton,
+                self.stop_event,
+                context,
+                evaluate=(cfg.rank == 0 and i == 0),
+            )
+            for i in range(job.waves)
+        ]
+        log.info(
+            "worker %d on %s: %d wave(s), %d torch thread(s)",
+            cfg.rank,
+            cfg.device,
+            job.waves,
+            threads,
+        )
+        runners = [
+            threading.Thread(target=w.run, name=f"wave-{i}", daemon=True)
+            for i, w in enumerate(waves)
+        ]
+        for r in runners:
+            r.start()
+        try:
+            # A wave that fails leaves the baton, and the others go on alone (DESIGN.md).
+            for r in runners:
+                while r.is_alive():
+                    r.join(0.2)
+        finally:
+            self.stop_event.set()
+            for r in runners:
+                r.join(5.0)
+            if not any(r.is_alive() for r in runners):
+                context.term()
+        failed = [w for w in waves if w.error]
+        for w in failed:
+            log.error("wave %d failed: %s", w.ident.local, w.error)
+        return 1 if failed else 0

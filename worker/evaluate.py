@@ -1,0 +1,46 @@
+"""Test accuracy: of a wave's replica during training, and of the shards' weights at the end."""
+
+from __future__ import annotations
+
+import torch
+import zmq
+
+from wavelet.common.config import JobConfig
+from wavelet.common.datasets import Dataset, build_dataset
+from wavelet.common.models import build_model
+from wavelet.common.sharding import ShardingPlan, model_tensors
+from wavelet.worker.client import PSClient
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 512
+) -> float:
+    """Top-1 accuracy on the test set (model in eval mode: BatchNorm uses running statistics)."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for start in range(0, len(dataset.test_x), batch_size):
+        x = dataset.test_x[start : start + batch_size].to(device)
+        y = dataset.test_y[start : start + batch_size].to(device)
+        correct += int((model(x).argmax(1) == y).sum())
+    model.train(was_training)
+    return correct / max(1, len(dataset.test_x))
+
+
+def evaluate_shards(
+    addresses: list[str], job: JobConfig, device: str = "cpu", context: zmq.Context | None = None
+) -> float:
+    """Pull the shards' current weights and buffers (as an observer) and test them."""
+    dataset = build_dataset(job.dataset, job.seed, **job.dataset_kwargs)
+    model = build_model(
+        job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
+    ).to(device)
+    plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes)
+    tensors = {name: t for name, t, _ in model_tensors(model)}
+    client = PSClient(addresses, plan, tensors, "eval", 0, job.request_timeout_s, context=context)
+    try:
+        client.pull(0, observer=True)
+    finally:
+        client.close()
+    return evaluate(model, dataset, torch.device(device))

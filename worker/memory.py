@@ -1,0 +1,119 @@
+"""Memory of a wave: bytes of activations saved for backward, and on a GPU the device's memory.
+
+``SavedActivationMeter`` works on any device: a ``saved_tensors_hooks`` pack hook counts each
+tensor autograd keeps for backward, and the handle it returns uncounts it when autograd lets go of
+it (during backward). Storage shared by several saved tensors counts once; parameters saved for
+backward (a Linear's weight) are not activations and do not count.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+import torch
+
+
+class _Saved:
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: SavedActivationMeter, key: int | None):
+        self.tensor = tensor
+        self.meter = meter
+        self.key = key
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.meter._release(self.key)
+
+
+class SavedActivationMeter:
+    """Live and peak saved-activation bytes of one wave, with an optional (time, bytes) trace."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = (), clock=time.perf_counter):
+        self._exclude = {p.untyped_storage().data_ptr() for p in parameters}
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self._lock = threading.Lock()
+        self.clock = clock
+        self.current = 0
+        self.peak = 0
+        self.tracing = False
+        self.trace: list[tuple[float, int]] = []
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._exclude or storage.nbytes() == 0:
+            return _Saved(tensor, self, None)
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                self._live[key] = [1, storage.nbytes()]
+                self._change(storage.nbytes())
+            else:
+                entry[0] += 1
+        return _Saved(tensor, self, key)
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._live[key]
+                self._change(-entry[1])
+
+    def _change(self, delta: int) -> None:
+        self.current += delta
+        self.peak = max(self.peak, self.current)
+        if self.tracing:
+            self.trace.append((self.clock(), self.current))
+
+
+def device_memory(device: torch.device) -> dict[str, int]:
+    """On a GPU: what the caching allocator holds and what NVML says the device uses."""
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    out = {
+        "cuda_allocated": torch.cuda.memory_allocated(index),
+        "cuda_peak_allocated": torch.cuda.max_memory_allocated(index),
+        "cuda_reserved": torch.cuda.memory_reserved(index),
+    }
+    used = _nvml_used(index)
+    if used is not None:
+        out["nvml_used"] = used
+    return out
+
+
+_nvml_ready: bool | None = None
+
+
+def _nvml_used(index: int) -> int | None:
+    global _nvml_ready
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    if _nvml_ready is None:
+        try:
+            pynvml.nvmlInit()
+            _nvml_ready = True
+        except pynvml.NVMLError:
+            _nvml_ready = False
+    if not _nvml_ready:
+        return None
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)

@@ -1,0 +1,201 @@
+"""Wave: one data-parallel training task on a device, with its own model replica and data part.
+
+Per iteration: take the forward baton, forward, pass the baton on, backward, then push the
+gradients and pull the next weights in one round trip. Everything a wave does is recorded as one
+JSON line per iteration in the run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import zmq
+
+from wavelet.common.config import WorkerConfig
+from wavelet.common.datasets import Dataset
+from wavelet.common.models import build_model
+from wavelet.common.records import RecordWriter
+from wavelet.common.sharding import ShardingPlan, model_tensors
+from wavelet.worker.baton import ForwardBaton, NoBaton
+from wavelet.worker.client import PSClient, StopRequested
+from wavelet.worker.evaluate import evaluate
+from wavelet.worker.memory import SavedActivationMeter, device_memory
+
+log = logging.getLogger("wavelet.worker")
+
+
+@dataclass
+class WaveIdentity:
+    worker: str  # the worker daemon's name on the shards, e.g. "w0"
+    local: int  # index among this device's waves (0 is tick, 1 is tock)
+    global_index: int  # index among all waves of the job: picks the data part
+    total: int  # waves in the job
+
+
+class Wave:
+    def __init__(
+        self,
+        ident: WaveIdentity,
+        config: WorkerConfig,
+        dataset: Dataset,
+        baton: ForwardBaton | NoBaton,
+        stop: threading.Event,
+        context: zmq.Context,
+        evaluate: bool = False,
+    ):
+        self.ident = ident
+        self.config = config
+        self.job = config.job
+        self.dataset = dataset
+        self.baton = baton
+        self.stop = stop
+        self.context = context
+        self.evaluate = evaluate
+        self.device = torch.device(config.device)
+        self.error: BaseException | None = None
+        name = f"worker-{config.rank}-wave-{ident.local}"
+        self.records = RecordWriter(Path(config.run_dir) / "records" / f"{name}.jsonl")
+
+    def run(self) -> None:
+        """Thread body: train, then leave the shards; any failure is kept in ``self.error``."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._train()
+        except StopRequested:
+            log.info("wave %d stopped", self.ident.local)
+        except BaseException as e:
+            self.error = e
+            log.exception("wave %d failed", self.ident.local)
+        finally:
+            self.baton.leave(self.ident.local)
+            self.records.close()
+
+    def _train(self) -> None:
+        job, ident = self.job, self.ident
+        model = build_model(
+            job.model,
+            self.dataset.input_shape,
+            self.dataset.num_classes,
+            job.seed,
+            **job.model_kwargs,
+        ).to(self.device)
+        plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes)
+        tensors = {name: t for name, t, _ in model_tensors(model)}
+        client = PSClient(
+            self.config.shard_addresses,
+            plan,
+            tensors,
+            ident.worker,
+            ident.local,
+            job.request_timeout_s,
+            self.stop,
+            self.context,
+        )
+        meter = SavedActivationMeter(model.parameters())
+        part = self.dataset.part(ident.global_index, ident.total, job.seed)
+        steps = part.steps_per_epoch(job.batch_size)
+        if steps == 0:
+            raise ValueError(
+                f"batch size {job.batch_size} exceeds this wave's "
+                f"{len(part.x)} samples; lower --batch-size"
+            )
+        try:
+            clock = max(client.register(0))
+            t = time.perf_counter()
+            pulled = client.pull(clock)
+            self.records.write(
+                {
+                    "kind": "start",
+                    "t": time.time(),
+                    "pull_s": time.perf_counter() - t,
+                    "versions_read": pulled.versions,
+                    "steps_per_epoch": steps,
+                    "batch_size": job.batch_size,
+                    "wave": ident.local,
+                    "device": str(self.device),
+                }
+            )
+            started = time.monotonic()
+            iteration = 0
+            for epoch in range(job.epochs if job.epochs else 1 << 30):
+                model.train()
+                for x, y in part.batches(
+                    job.batch_size, epoch, job.seed + 7919 * ident.global_index
+                ):
+                    if self.stop.is_set():
+                        raise StopRequested()
+                    if job.max_seconds and time.monotonic() - started >= job.max_seconds:
+                        return
+                    meter.tracing = iteration < job.memory_trace_iters
+                    pulled = self._step(model, meter, client, x, y, clock, pulled, epoch, iteration)
+                    clock += 1
+                    iteration += 1
+                if self.evaluate and job.eval_every and (epoch + 1) % job.eval_every == 0:
+                    self._record_eval(model, epoch)
+                self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
+        finally:
+            self.baton.leave(ident.local)
+            try:
+                if not self.stop.is_set():
+                    client.leave()
+            finally:
+                client.close()
+                if meter.trace:
+                    self.records.write(
+                        {"kind": "memory_trace", "wave": ident.local, "trace": meter.trace}
+                    )
+
+    def _step(self, model, meter, client, x, y, clock, pulled, epoch, iteration):
+        dev = self.device
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        rec = {
+            "kind": "step",
+            "wave": self.ident.local,
+            "epoch": epoch,
+            "iter": iteration,
+            "clock": clock,
+            "versions_read": pulled.versions,
+        }
+        baton_wait = self.baton.acquire(self.ident.local)
+        t0 = time.perf_counter()
+        try:
+            meter.reset_peak()
+            rec["t_forward_start"] = time.time()
+            with meter.hooks():
+                loss = F.cross_entropy(model(x), y)
+            rec["t_forward_end"] = time.time()
+        finally:
+            self.baton.release(self.ident.local)
+        t1 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        t2 = time.perf_counter()
+        next_pull = client.push_pull(clock, pulled.versions)
+        t3 = time.perf_counter()
+        rec.update(
+            t=time.time(),
+            loss=float(loss.detach()),
+            samples=len(y),
+            baton_wait_s=baton_wait,
+            forward_s=t1 - t0,
+            backward_s=t2 - t1,
+            push_pull_s=t3 - t2,
+            bound_wait_s=next_pull.parked_s,
+            saved_bytes_peak=meter.peak,
+            **device_memory(dev),
+        )
+        self.records.write(rec)
+        return next_pull
+
+    def _record_eval(self, model: torch.nn.Module, epoch: int) -> None:
+        acc = evaluate(model, self.dataset, self.device)
+        self.records.write({"kind": "eval", "t": time.time(), "epoch": epoch, "test_acc": acc})
