@@ -38,13 +38,18 @@ def _optimizer_names() -> dict[str, str]:
 _OPTIMIZERS = _optimizer_names()
 
 
+# Defaults per optimizer, under whatever the job's kwargs say: SGD trains with momentum 0.9
+# unless told otherwise (momentum=0 gives plain SGD).
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sgd": {"momentum": 0.9}}
+
+
 @dataclass
 class OptimizerConfig:
     """A ``torch.optim`` optimizer by name (case-insensitive) with its keyword arguments."""
 
     name: str = "sgd"
     lr: float = 0.05
-    kwargs: dict[str, Any] = field(default_factory=lambda: {"momentum": 0.9})
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name.lower() not in _OPTIMIZERS:
@@ -53,14 +58,20 @@ class OptimizerConfig:
                 + ", ".join(sorted(_OPTIMIZERS))
             )
         _positive("optimizer.lr", self.lr)
+        self.build([torch.zeros(1, requires_grad=True)])  # bad kwargs fail now, not on a shard
+
+    @property
+    def effective_kwargs(self) -> dict[str, Any]:
+        return {**OPTIMIZER_DEFAULTS.get(self.name.lower(), {}), **self.kwargs}
 
     def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
+        kwargs = self.effective_kwargs
         try:
-            return cls(params, lr=self.lr, **self.kwargs)
+            return cls(params, lr=self.lr, **kwargs)
         except (TypeError, ValueError) as e:
             raise ConfigError(
-                f"optimizer {self.name} rejected its arguments {self.kwargs}: {e}"
+                f"optimizer {self.name} rejected its arguments {kwargs}: {e}"
             ) from None
 
 

@@ -7,6 +7,7 @@ arguments from the job's ``model_kwargs``.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -86,6 +87,8 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return ResNet18(input_shape[0], num_classes)
 
 
+_BUILD_LOCK = threading.Lock()
+
 BUILTIN_MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": mlp,
     "digits_cnn": digits_cnn,
@@ -98,7 +101,9 @@ def build_model(
 ) -> nn.Module:
     """The model ``name`` with weights drawn from ``seed``: every wave builds the same one."""
     factory = BUILTIN_MODELS.get(name) or import_callable(name, "model", BUILTIN_MODELS)
-    with torch.random.fork_rng(devices=[]):
+    # Module constructors draw from the global RNG: waves building their replicas in parallel
+    # threads would interleave draws and get different weights from the same seed.
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = factory(tuple(input_shape), num_classes, **kwargs)
     if not isinstance(model, nn.Module):

@@ -1,0 +1,143 @@
+"""Fixtures: real shard daemons in child processes on loopback, and cleanup by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests and the daemons they start share two cores: one torch thread each.
+torch.set_num_threads(1)
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def wavelet_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "wavelet.scripts.cli", *args]
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the command name may hold spaces: the fields after its closing paren are fixed
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    for child in _children_of(pid):
+        kill_tree(child)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def started(cmd: list[str], log: Path, **kwargs):
+    """A real process for the duration of the block, killed (with its children) by pid after."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=CHILD_ENV,
+            **kwargs,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait(10)
+
+
+class ShardDaemons:
+    """``wavelet ps`` processes for one job; ``addresses`` once all are listening."""
+
+    def __init__(self, tmp: Path, job_args: list[str], count: int, expect_waves: int = 0):
+        self.tmp = tmp
+        self.job_args = job_args
+        self.count = count
+        self.expect_waves = expect_waves
+        self.procs: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+        self._stack = []
+
+    def __enter__(self) -> ShardDaemons:
+        readies = []
+        for i in range(self.count):
+            ready = self.tmp / f"ps-{i}.addr"
+            cmd = wavelet_cmd(
+                "ps",
+                *self.job_args,
+                "--shards",
+                str(self.count),
+                "--shard-index",
+                str(i),
+                "--bind",
+                "tcp://127.0.0.1:0",
+                "--expect-waves",
+                str(self.expect_waves),
+                "--ready-file",
+                str(ready),
+                "--run-dir",
+                str(self.tmp),
+            )
+            cm = started(cmd, self.tmp / f"ps-{i}.log")
+            self.procs.append(cm.__enter__())
+            self._stack.append(cm)
+            readies.append(ready)
+        deadline = time.monotonic() + 60
+        for i, ready in enumerate(readies):
+            while not ready.exists():
+                if self.procs[i].poll() is not None:
+                    raise RuntimeError((self.tmp / f"ps-{i}.log").read_text())
+                if time.monotonic() > deadline:
+                    raise TimeoutError("shard daemon did not start")
+                time.sleep(0.05)
+            self.addresses.append(ready.read_text().strip())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for cm in reversed(self._stack):
+            cm.__exit__(None, None, None)
+
+
+@pytest.fixture
+def shard_daemons(tmp_path):
+    """Factory: ``shard_daemons(job_args, count)`` -> running ShardDaemons, stopped after."""
+    running: list[ShardDaemons] = []
+
+    def make(job_args: list[str], count: int = 1, expect_waves: int = 0) -> ShardDaemons:
+        d = ShardDaemons(tmp_path, job_args, count, expect_waves).__enter__()
+        running.append(d)
+        return d
+
+    yield make
+    for d in running:
+        d.__exit__(None, None, None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_leftover_processes():
+    yield
+    leftovers = _children_of(os.getpid())
+    for pid in leftovers:
+        kill_tree(pid)
+    assert not leftovers, f"tests left processes running: {leftovers}"

@@ -1,0 +1,75 @@
+"""With staleness bound 0, W waves through the PS equal one process on the concatenated batches."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import client_for, shard_values, tiny_model
+
+STEPS = 6
+BATCH = 8
+
+
+def _batch(wave: int, step: int):
+    g = torch.Generator().manual_seed(100 * wave + step)
+    return torch.randn(BATCH, 4, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def _train_wave(addresses, wave: int, errors: list):
+    try:
+        model = tiny_model()
+        c = client_for(model, addresses, worker=f"w{wave}", wave=0)
+        try:
+            c.register(0)
+            pulled = c.pull(0)
+            for step in range(STEPS):
+                x, y = _batch(wave, step)
+                model.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                pulled = c.push_pull(step, pulled.versions)
+                assert pulled.versions == [step + 1] * len(addresses)
+            c.leave()
+        finally:
+            c.close()
+    except BaseException as e:  # surfaced by the test thread
+        errors.append(e)
+
+
+def _reference(waves: int, make_opt):
+    model = tiny_model()
+    opt = make_opt(model.parameters())
+    for step in range(STEPS):
+        xs, ys = zip(*(_batch(w, step) for w in range(waves)), strict=True)
+        opt.zero_grad()
+        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return [t.detach() for t in model.state_dict().values()]
+
+
+@pytest.mark.parametrize("waves", [2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_bulk_synchronous_equals_single_process(shard_daemons, waves, optimizer):
+    if optimizer == "sgd":
+        args = ["--optimizer", "sgd", "--lr", "0.1", "--set", "optimizer.kwargs.momentum=0.9"]
+        make_opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    else:
+        args = ["--optimizer", "adam", "--lr", "0.01"]
+        make_opt = lambda p: torch.optim.Adam(p, lr=0.01)
+    daemons = shard_daemons(["--staleness", "0", *args], count=2, expect_waves=waves)
+    errors: list = []
+    threads = [
+        threading.Thread(target=_train_wave, args=(daemons.addresses, w, errors))
+        for w in range(waves)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    got = shard_values(daemons.addresses)
+    want = _reference(waves, make_opt)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    initial = [t.detach() for t in tiny_model().state_dict().values()]
+    assert not all(torch.equal(a, b) for a, b in zip(got, initial, strict=True)), "nothing trained"

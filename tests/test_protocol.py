@@ -1,0 +1,144 @@
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from wavelet.common.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Header,
+    Op,
+    ProtocolError,
+    TensorDesc,
+    decode,
+    encode,
+    send_message,
+)
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (1, 1, 1, 9)]
+
+
+def _sample(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_in_memory(dtype):
+    tensors = [_sample(dtype, s) for s in SHAPES]
+    h = Header(
+        op=Op.PUSH,
+        request_id=7,
+        worker="w0",
+        wave=1,
+        clock=3,
+        read_version=2,
+        plan="abc",
+        keys=list(range(len(tensors))),
+        body={"x": [1, 2]},
+    )
+    frames = encode(h, tensors)
+    h2, out = decode([bytearray(f) for f in frames])
+    assert (h2.op, h2.request_id, h2.worker, h2.wave, h2.clock, h2.read_version, h2.plan) == (
+        "push",
+        7,
+        "w0",
+        1,
+        3,
+        2,
+        "abc",
+    )
+    assert h2.body == {"x": [1, 2]}
+    for a, b in zip(tensors, out, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_round_trip_over_zmq_is_zero_copy_on_receive():
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    port = a.bind_to_random_port("tcp://127.0.0.1")
+    b.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        tensors = [_sample(d, (64, 33)) for d in DTYPES] + [torch.randn(300_000)]
+        send_message(a, Header(op=Op.PUSH), tensors)
+        assert b.poll(5000), "no message within 5 s"
+        frames = b.recv_multipart(copy=False)
+        h, out = decode(frames)
+        assert [TensorDesc.of(t) for t in tensors] == h.tensors
+        for x, y in zip(tensors, out, strict=True):
+            assert torch.equal(x, y)
+        # the big tensor aliases the received frame's memory (no copy was made)
+        assert out[-1].data_ptr() == np.frombuffer(frames[-1].buffer, np.uint8).ctypes.data
+    finally:
+        a.close(0), b.close(0), ctx.term()
+
+
+def _header_dict(**over):
+    d = {
+        "v": PROTOCOL_VERSION,
+        "op": "pull",
+        "rid": 1,
+        "worker": "w",
+        "wave": 0,
+        "clock": 0,
+        "read": -1,
+        "plan": "",
+        "keys": [],
+        "tensors": [],
+        "body": {},
+    }
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize(
+    "raw,code",
+    [
+        (b"\xc1\xff garbage", ErrorCode.MALFORMED),
+        (msgpack.packb([1, 2, 3]), ErrorCode.MALFORMED),
+        (msgpack.packb(_header_dict(v=99)), ErrorCode.BAD_PROTOCOL_VERSION),
+        (msgpack.packb({"op": "pull"}), ErrorCode.BAD_PROTOCOL_VERSION),
+        (msgpack.packb(_header_dict(rid="one")), ErrorCode.MALFORMED),
+        (msgpack.packb(_header_dict(wave=True)), ErrorCode.MALFORMED),
+        (msgpack.packb(_header_dict(tensors=[["float99", [3]]])), ErrorCode.MALFORMED),
+        (msgpack.packb(_header_dict(tensors=[["float32", [-3]]])), ErrorCode.MALFORMED),
+        (msgpack.packb(_header_dict(keys=["a"])), ErrorCode.MALFORMED),
+    ],
+)
+def test_bad_headers_are_refused_with_a_code(raw, code):
+    with pytest.raises(ProtocolError) as e:
+        decode([raw])
+    assert e.value.code == code
+
+
+def test_frame_count_and_size_must_match_the_header():
+    frames = encode(Header(op=Op.PUSH), [torch.zeros(4)])
+    with pytest.raises(ProtocolError) as e:
+        decode([frames[0]])
+    assert e.value.code == ErrorCode.MALFORMED
+    with pytest.raises(ProtocolError) as e:
+        decode([frames[0], bytearray(15)])
+    assert e.value.code == ErrorCode.BAD_SHAPE
+
+
+def test_no_pickle_anywhere():
+    # msgpack cannot carry arbitrary objects: encoding one fails instead of pickling it
+    with pytest.raises(TypeError):
+        Header(op=Op.PUSH, body={"obj": object()}).pack()

@@ -1,0 +1,87 @@
+"""The staleness bound, observed from the waves: with one wave slowed down, no pull returns
+weights that break the bound; with s = inf the fast wave never waits."""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import RawClient, client_for, tiny_model
+
+from wavelet.common.protocol import Header, Op
+
+STEPS = 16
+
+
+def _wave(addresses, name, delay_s, reads, errors):
+    try:
+        model = tiny_model()
+        c = client_for(model, addresses, worker=name)
+        try:
+            c.register(0)
+            pulled = c.pull(0)
+            reads.append((0, pulled.versions, pulled.parked_s))
+            g = torch.Generator().manual_seed(len(name))
+            for clock in range(STEPS):
+                time.sleep(delay_s)
+                model.zero_grad()
+                x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+                F.cross_entropy(model(x), y).backward()
+                pulled = c.push_pull(clock, pulled.versions)
+                reads.append((clock + 1, pulled.versions, pulled.parked_s))
+            c.leave()
+        finally:
+            c.close()
+    except BaseException as e:
+        errors.append(e)
+
+
+def _run(daemons, slow_delay_s):
+    fast, slow, errors = [], [], []
+    threads = [
+        threading.Thread(target=_wave, args=(daemons.addresses, "fast", 0.0, fast, errors)),
+        threading.Thread(
+            target=_wave, args=(daemons.addresses, "slow", slow_delay_s, slow, errors)
+        ),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    return fast, slow
+
+
+def _parked(address, worker):
+    raw = RawClient(address)
+    try:
+        return raw.request(Header(op=Op.STATS)).body["waves"][f"{worker}/0"]["parked"]
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("s", [0, 1, 3])
+def test_bound_holds_with_a_slow_wave(shard_daemons, s):
+    daemons = shard_daemons(["--staleness", str(s)], count=2, expect_waves=2)
+    fast, _ = _run(daemons, slow_delay_s=0.03)
+    for clock, versions, _ in fast:
+        for v in versions:
+            if s == 0:
+                # bulk-synchronous: one update per clock, every wave reads the same version
+                assert v == clock
+            else:
+                # every push is one update: the slow wave had pushed v - clock times
+                slow_clock = v - clock
+                assert slow_clock >= min(clock - s, STEPS), (clock, v, s)
+    assert _parked(daemons.addresses[0], "fast") > 0, "the bound never held the fast wave back"
+
+
+def test_asynchronous_fast_wave_never_waits(shard_daemons):
+    daemons = shard_daemons(["--staleness", "inf"], count=2, expect_waves=2)
+    fast, slow = _run(daemons, slow_delay_s=0.03)
+    # after the start barrier, the fast wave is never parked
+    assert all(parked == 0.0 for _, _, parked in fast[1:])
+    assert _parked(daemons.addresses[0], "fast") <= 1  # the start barrier alone, at most
+    # ...and it really ran ahead: at some read the slow wave was several clocks behind
+    assert max(c - (v[0] - c) for c, v, _ in fast) >= 4
