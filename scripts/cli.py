@@ -149,6 +149,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         threads=args.threads,
         run_dir=args.run_dir,
     )
+    from wavelet.common.job import check_job
+
+    check_job(config.job, config.num_workers * config.job.waves)
     daemon = WorkerDaemon(config, schedule=args.schedule)
     _on_signals(daemon.stop)
     return daemon.run()

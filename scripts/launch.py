@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wavelet.common.config import LaunchConfig, to_dict
-from wavelet.common.protocol import Op
+from wavelet.common.job import check_job
+from wavelet.common.protocol import Op, RemoteError
 from wavelet.common.records import read_records
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
-from wavelet.worker.client import call_shard
+from wavelet.worker.client import ShardTimeout, call_shard
 from wavelet.worker.evaluate import evaluate_shards
 
 READY_TIMEOUT_S = 60.0
@@ -104,12 +105,13 @@ class Job:
 
 def launch(config: LaunchConfig, schedule: str = "ticktock", quiet: bool = False) -> int:
     job_cfg = config.job
+    total_waves = len(config.devices) * job_cfg.waves
+    check_job(job_cfg, total_waves)
     run_dir = Path(config.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir / "job.json"
     job_file.write_text(json.dumps(to_dict(job_cfg), indent=2, default=str))
     job = Job(config, run_dir, schedule)
-    total_waves = len(config.devices) * job_cfg.waves
     cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
     threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
     started = time.monotonic()
@@ -179,7 +181,7 @@ def launch(config: LaunchConfig, schedule: str = "ticktock", quiet: bool = False
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the job", file=sys.stderr)
         return 130
-    except ChildFailed as e:
+    except (ChildFailed, ShardTimeout, RemoteError) as e:
         print(f"wavelet launch: {e}", file=sys.stderr)
         return 1
     finally:

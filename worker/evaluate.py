@@ -6,8 +6,8 @@ import torch
 import zmq
 
 from wavelet.common.config import JobConfig
-from wavelet.common.datasets import Dataset, build_dataset
-from wavelet.common.models import build_model
+from wavelet.common.datasets import Dataset
+from wavelet.common.job import build_dataset_and_model
 from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.worker.client import PSClient
 
@@ -32,10 +32,7 @@ def evaluate_shards(
     addresses: list[str], job: JobConfig, device: str = "cpu", context: zmq.Context | None = None
 ) -> float:
     """Pull the shards' current weights and buffers (as an observer) and test them."""
-    dataset = build_dataset(job.dataset, job.seed, **job.dataset_kwargs)
-    model = build_model(
-        job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
-    ).to(device)
+    dataset, model = build_dataset_and_model(job, device)
     plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes)
     tensors = {name: t for name, t, _ in model_tensors(model)}
     client = PSClient(addresses, plan, tensors, "eval", 0, job.request_timeout_s, context=context)

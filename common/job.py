@@ -1,0 +1,34 @@
+"""Building what a job trains (its dataset and model), and checking a job before it starts."""
+
+from __future__ import annotations
+
+import torch
+
+from wavelet.common.config import ConfigError, JobConfig
+from wavelet.common.datasets import Dataset, build_dataset
+from wavelet.common.models import build_model
+
+
+def build_dataset_and_model(
+    job: JobConfig, device: str | torch.device = "cpu"
+) -> tuple[Dataset, torch.nn.Module]:
+    dataset = build_dataset(job.dataset, job.seed, **job.dataset_kwargs)
+    model = build_model(
+        job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
+    )
+    return dataset, model.to(device)
+
+
+def check_job(job: JobConfig, total_waves: int) -> None:
+    """Raise ConfigError if the job's model or dataset cannot be built, or cannot feed its waves,
+    so a bad job fails at once with a clear message instead of inside a daemon."""
+    try:
+        dataset, _ = build_dataset_and_model(job)
+    except (ValueError, TypeError, ImportError) as e:
+        raise ConfigError(f"cannot build the job's model or dataset: {e}") from None
+    per_wave = len(dataset.train_x) // total_waves
+    if per_wave < job.batch_size:
+        raise ConfigError(
+            f"{len(dataset.train_x)} training samples give each of {total_waves} waves "
+            f"{per_wave}, fewer than batch_size {job.batch_size}; lower --batch-size"
+        )

@@ -1,0 +1,140 @@
+"""Configuration: TOML files, flag overrides, validation; bad values exit 2 with one line."""
+
+import subprocess
+import textwrap
+
+import pytest
+import torch
+from conftest import CHILD_ENV, wavelet_cmd
+
+from wavelet.common.config import INF, ConfigError, JobConfig, from_dict
+from wavelet.common.datasets import build_dataset
+from wavelet.common.models import build_model
+from wavelet.scripts.cli import build_parser, job_from_args
+
+
+def _job(*argv):
+    return job_from_args(build_parser().parse_args(["launch", *argv]))
+
+
+def test_toml_then_flags_then_set(tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text(
+        textwrap.dedent("""
+        model = "mlp"
+        epochs = 3
+        staleness = inf
+        [optimizer]
+        name = "adam"
+        lr = 0.001
+        kwargs = { betas = [0.8, 0.9] }
+    """)
+    )
+    job = _job("--config", str(f), "--epochs", "5", "--set", "model_kwargs.hidden=64")
+    assert (job.model, job.epochs, job.staleness) == ("mlp", 5, INF)
+    assert job.optimizer.name == "adam" and job.optimizer.kwargs == {"betas": [0.8, 0.9]}
+    assert job.model_kwargs == {"hidden": 64}
+    assert _job("--staleness", "2").staleness == 2
+    assert _job("--optimizer", "adamw").optimizer.effective_kwargs == {}
+    assert _job().optimizer.effective_kwargs == {"momentum": 0.9}
+
+
+@pytest.mark.parametrize(
+    "data,words",
+    [
+        ({"staleness": 1.5}, "staleness"),
+        ({"staleness": -1}, "staleness"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"epochs": "ten"}, "epochs must be int"),
+        ({"bogus": 1}, "unknown setting 'bogus'"),
+        ({"optimizer": {"name": "nosuch"}}, "not in torch.optim"),
+        ({"optimizer": {"name": "adam", "kwargs": {"momentum": 0.9}}}, "rejected its arguments"),
+        ({"optimizer": {"lr": -1.0}}, "lr must be > 0"),
+        ({"epochs": 0, "max_seconds": 0}, "budget"),
+    ],
+)
+def test_bad_values_name_the_problem(data, words):
+    with pytest.raises(ConfigError, match=words):
+        from_dict(JobConfig, data)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["launch", "--epochs", "-1"],
+        ["launch", "--staleness", "1.5"],
+        ["launch", "--no-such-flag"],
+        ["launch", "--devices", "tpu:0"],
+        ["launch", "--model", "nosuch"],
+        ["launch", "--batch-size", "5000"],
+        ["ps", "--shard-index", "5"],
+        ["ps", "--bind", "127.0.0.1:5555"],
+        ["worker", "--shard", "tcp://127.0.0.1:1"],  # 1 address for the default 2 shards
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(argv):
+    done = subprocess.run(
+        wavelet_cmd(*argv), env=CHILD_ENV, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wavelet: error:"), done.stderr
+
+
+def test_user_model_and_dataset_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(
+        textwrap.dedent("""
+        import torch
+        from wavelet.common.datasets import Dataset
+
+        def tiny(input_shape, num_classes, width=5):
+            return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(6, width),
+                                       torch.nn.Linear(width, num_classes))
+
+        def data(seed, n=40):
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(n, 2, 3, generator=g)
+            return Dataset(x, (x.sum((1, 2)) > 0).long(), x[:8], (x[:8].sum((1, 2)) > 0).long(), 2)
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = build_dataset("mymodels:data", seed=0, n=50)
+    assert data.input_shape == (2, 3) and len(data.train_x) == 50
+    model = build_model("mymodels:tiny", data.input_shape, 2, seed=0, width=7)
+    assert model[1].out_features == 7
+    with pytest.raises(ValueError, match="built-in"):
+        build_model("nosuch", (4,), 2, seed=0)
+    with pytest.raises(ValueError, match="cannot import"):
+        build_model("nosuch_module_xyz:f", (4,), 2, seed=0)
+
+
+def test_builtin_models_and_datasets():
+    digits = build_dataset("digits", seed=0)
+    assert digits.input_shape == (1, 8, 8) and len(digits.test_x) == 360
+    cnn = build_model("digits_cnn", digits.input_shape, 10, seed=0)
+    assert 200_000 < sum(p.numel() for p in cnn.parameters()) < 300_000
+    resnet = build_model("resnet18", (3, 32, 32), 10, seed=0)
+    assert 11_000_000 < sum(p.numel() for p in resnet.parameters()) < 11_300_000
+    assert resnet(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    syn = build_dataset("synthetic", seed=0, shape=[5, 7], train_size=64, test_size=16)
+    assert syn.train_x.shape == (64, 5, 7)
+    parts = [digits.part(i, 3, seed=0) for i in range(3)]
+    rows = {tuple(x.flatten().tolist()) for p in parts for x in p.x}
+    assert len(rows) == sum(len(p.x) for p in parts), "wave data parts overlap"
+
+
+def test_same_seed_same_weights_even_from_parallel_threads():
+    import threading
+
+    out = [None] * 4
+
+    def build(i):
+        out[i] = build_model("digits_cnn", (1, 8, 8), 10, seed=3).state_dict()
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for sd in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0].values(), sd.values(), strict=True))

@@ -1,0 +1,129 @@
+"""The launcher and daemons as a user runs them: the default job end to end, Ctrl-C, a child that
+dies, SIGTERM to each daemon; nothing is left running afterwards."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CHILD_ENV, kill_tree, started, wavelet_cmd
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def _assert_nothing_left(run_dir: Path):
+    _wait_for(lambda: not _processes_mentioning(str(run_dir)), 15, "daemons left behind")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_default_job_reaches_the_accuracy_bar(tmp_path):
+    run_dir = tmp_path / "run"
+    # The default job, on a smaller budget of epochs.
+    done = subprocess.run(
+        wavelet_cmd("launch", "--run-dir", str(run_dir), "--epochs", "8"),
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "final test accuracy" in done.stdout and "samples/s" in done.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.97, summary
+    assert set(summary["waves"]) == {"w0/0", "w0/1"}
+    for w in summary["waves"].values():
+        assert w["pushes"] > 0 and "staleness_mean" in w
+    assert (run_dir / "records" / "ps-0-pushes.jsonl").exists()
+    _assert_nothing_left(run_dir)
+
+
+def _start_launcher(tmp_path, *extra):
+    run_dir = tmp_path / "run"
+    cm = started(
+        wavelet_cmd("launch", "--run-dir", str(run_dir), "--epochs", "200", *extra),
+        tmp_path / "launch.log",
+    )
+    proc = cm.__enter__()
+    step_file = run_dir / "records" / "worker-0-wave-1.jsonl"
+    _wait_for(
+        lambda: step_file.exists() and step_file.stat().st_size > 2000, 90, "training did not start"
+    )
+    return cm, proc, run_dir
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_tears_the_job_down(tmp_path):
+    cm, proc, run_dir = _start_launcher(tmp_path)
+    try:
+        assert len(_processes_mentioning(str(run_dir))) >= 4  # launcher, 2 shards, worker
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        _assert_nothing_left(run_dir)
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.timeout(180)
+def test_a_dying_child_stops_the_job_and_is_reported(tmp_path):
+    cm, proc, run_dir = _start_launcher(tmp_path)
+    try:
+        worker = [
+            p
+            for p in _processes_mentioning(str(run_dir))
+            if b"worker" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        assert len(worker) == 1
+        os.kill(worker[0], signal.SIGKILL)
+        assert proc.wait(30) == 1
+        log = (tmp_path / "launch.log").read_text()
+        assert "worker-0 exited with status -9" in log
+        _assert_nothing_left(run_dir)
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_daemons_stop_cleanly_on_signals(tmp_path, shard_daemons, sig):
+    daemons = shard_daemons([], count=2, expect_waves=2)
+    cmd = wavelet_cmd(
+        "worker", "--epochs", "200", "--threads", "1", "--run-dir", str(tmp_path / "run")
+    )
+    for a in daemons.addresses:
+        cmd += ["--shard", a]
+    with started(cmd, tmp_path / "worker.log") as worker:
+        step_file = tmp_path / "run" / "records" / "worker-0-wave-0.jsonl"
+        _wait_for(
+            lambda: step_file.exists() and step_file.stat().st_size > 2000,
+            60,
+            "worker did not train",
+        )
+        worker.send_signal(sig)
+        assert worker.wait(30) == 0, (tmp_path / "worker.log").read_text()[-2000:]
+    for p in daemons.procs:
+        p.send_signal(sig)
+        assert p.wait(15) == 0
+        kill_tree(p.pid)

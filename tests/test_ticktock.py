@@ -1,0 +1,133 @@
+"""Tick-tock on one device: forwards never overlap and alternate, tock starts half a cycle late;
+saved-activation bytes are measured exactly."""
+
+import subprocess
+
+import pytest
+import torch
+from conftest import CHILD_ENV, wavelet_cmd
+from torch import nn
+
+from wavelet.common.records import read_records
+from wavelet.worker.baton import ForwardBaton
+from wavelet.worker.memory import SavedActivationMeter
+
+JOB = [
+    "--model",
+    "digits_cnn",
+    "--dataset",
+    "digits",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "32",
+    "--staleness",
+    "1",
+]
+
+
+def test_meter_counts_saved_activations_once_and_releases_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    meter = SavedActivationMeter(model.parameters())
+    meter.tracing = True
+    x = torch.randn(16, 4)
+    with meter.hooks():
+        loss = model(x).sum()
+    # Linear 1 saves its input (16x4 floats); ReLU saves its output (16x8), which Linear 2 saves
+    # again (same storage, counted once); the weights are parameters, not activations.
+    assert meter.current == 16 * 4 * 4 + 16 * 8 * 4
+    loss.backward()
+    assert meter.current == 0
+    assert meter.peak == 16 * 4 * 4 + 16 * 8 * 4
+    assert meter.trace[-1][1] == 0 and max(b for _, b in meter.trace) == meter.peak
+
+
+def test_baton_alternates_and_skips_a_wave_that_left():
+    baton = ForwardBaton(2, timeout_s=5)
+    order = []
+    baton.acquire(0), order.append(0), baton.release(0)
+    baton.acquire(1), order.append(1), baton.release(1)
+    baton.leave(1)
+    baton.acquire(0), order.append(0), baton.release(0)
+    baton.acquire(0), order.append(0), baton.release(0)  # tock left: tick goes on alone
+    assert order == [0, 1, 0, 0]
+
+
+def _run_worker(shard_daemons, tmp_path, waves: int):
+    daemons = shard_daemons([*JOB, "--waves", str(waves)], count=2, expect_waves=waves)
+    cmd = wavelet_cmd(
+        "worker",
+        *JOB,
+        "--waves",
+        str(waves),
+        "--shards",
+        "2",
+        "--threads",
+        "1",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
+    for a in daemons.addresses:
+        cmd += ["--shard", a]
+    done = subprocess.run(cmd, env=CHILD_ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = {}
+    for w in range(waves):
+        path = tmp_path / "run" / "records" / f"worker-0-wave-{w}.jsonl"
+        records[w] = list(read_records(path))
+    return records
+
+
+def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path):
+    records = _run_worker(shard_daemons, tmp_path, waves=2)
+    steps = {w: [r for r in recs if r["kind"] == "step"] for w, recs in records.items()}
+    assert len(steps[0]) == len(steps[1]) > 10
+    intervals = sorted(
+        (r["t_forward_start"], r["t_forward_end"], w) for w in steps for r in steps[w]
+    )
+    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:], strict=False):
+        assert end <= start, "two forward passes overlapped"
+    # strict alternation: tick, tock, tick, tock...
+    assert [w for _, _, w in intervals] == [0, 1] * len(steps[0])
+    # tock's first forward starts when tick's first forward has ended (the half-cycle offset)
+    assert steps[1][0]["t_forward_start"] >= steps[0][0]["t_forward_end"]
+    # every step carries its timings, versions read and memory
+    for r in steps[0] + steps[1]:
+        for key in (
+            "forward_s",
+            "backward_s",
+            "push_pull_s",
+            "baton_wait_s",
+            "bound_wait_s",
+            "versions_read",
+            "saved_bytes_peak",
+            "loss",
+        ):
+            assert key in r
+        assert r["saved_bytes_peak"] > 0
+    traces = [r for r in records[0] if r["kind"] == "memory_trace"]
+    assert traces and traces[0]["trace"]
+
+
+def test_single_wave_baseline_runs(shard_daemons, tmp_path):
+    records = _run_worker(shard_daemons, tmp_path, waves=1)
+    steps = [r for r in records[0] if r["kind"] == "step"]
+    assert steps and all(r["baton_wait_s"] < 1.0 for r in steps)
+    assert any(r["kind"] == "eval" for r in records[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_meter_and_device_memory_on_gpu():
+    from wavelet.worker.memory import device_memory
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    meter = SavedActivationMeter(model.parameters())
+    with meter.hooks():
+        loss = model(torch.randn(128, 64, device="cuda")).sum()
+    assert meter.current == 128 * 64 * 4 + 128 * 256 * 4
+    loss.backward()
+    assert meter.current == 0
+    mem = device_memory(torch.device("cuda:0"))
+    assert mem["cuda_allocated"] > 0
