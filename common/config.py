@@ -8,6 +8,7 @@ A TOML file holds a job (top-level keys and an ``[optimizer]`` table); flags ove
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import tomllib
 import typing
@@ -67,6 +68,11 @@ class OptimizerConfig:
     def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
         kwargs = self.effective_kwargs
+        # The fused kernels update in one pass: 2x (SGD) to 4x (Adam) faster on a shard's chunks
+        # (scripts/bench_ps.py). Used where the optimizer has one, unless the job says otherwise.
+        if "fused" in inspect.signature(cls).parameters and not {"fused", "foreach"} & set(kwargs):
+            if all(p.is_floating_point() for p in params):
+                kwargs = {**kwargs, "fused": True}
         try:
             return cls(params, lr=self.lr, **kwargs)
         except (TypeError, ValueError) as e:
