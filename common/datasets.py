@@ -22,6 +22,7 @@ class Dataset:
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
+    max_shift: int = 0  # training batches are shifted by up to this many pixels (augmentation)
 
     def __post_init__(self) -> None:
         if len(self.train_x) != len(self.train_y) or len(self.test_x) != len(self.test_y):
@@ -41,29 +42,37 @@ class Dataset:
             raise ValueError(f"{len(self.train_x)} training samples cannot feed {count} waves")
         order = torch.randperm(len(self.train_x), generator=torch.Generator().manual_seed(seed))
         idx = order[index * size : (index + 1) * size]
-        return DataPart(self.train_x[idx], self.train_y[idx])
+        return DataPart(self.train_x[idx], self.train_y[idx], self.max_shift)
 
 
 @dataclass
 class DataPart:
     x: torch.Tensor
     y: torch.Tensor
+    max_shift: int = 0
 
     def batches(
         self, batch_size: int, epoch: int, seed: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Shuffled full batches for one epoch (a last partial batch is dropped)."""
-        order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(seed + epoch))
+        g = torch.Generator().manual_seed(seed + epoch)
+        order = torch.randperm(len(self.x), generator=g)
         for start in range(0, len(order) - batch_size + 1, batch_size):
             idx = order[start : start + batch_size]
-            yield self.x[idx], self.y[idx]
+            x = self.x[idx]
+            if self.max_shift:
+                dx, dy = torch.randint(-self.max_shift, self.max_shift + 1, (2,), generator=g)
+                x = torch.roll(x, (int(dx), int(dy)), dims=(-2, -1))
+            yield x, self.y[idx]
 
     def steps_per_epoch(self, batch_size: int) -> int:
         return len(self.x) // batch_size
 
 
-def digits(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
-    """scikit-learn's 8x8 handwritten digits (1797 real images, shipped with scikit-learn)."""
+def digits(seed: int = 0, test_fraction: float = 0.2, max_shift: int = 1) -> Dataset:
+    """scikit-learn's 8x8 handwritten digits (1797 real images, shipped with scikit-learn).
+
+    Training batches are shifted by up to ``max_shift`` pixels (0 turns that off)."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -77,7 +86,7 @@ def digits(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
     def prep(a):
         return torch.tensor((a - mean) / std, dtype=torch.float32).reshape(-1, 1, 8, 8)
 
-    return Dataset(prep(x_tr), torch.tensor(y_tr), prep(x_te), torch.tensor(y_te), 10)
+    return Dataset(prep(x_tr), torch.tensor(y_tr), prep(x_te), torch.tensor(y_te), 10, max_shift)
 
 
 def synthetic(

@@ -29,6 +29,7 @@ from wavelet.common.protocol import (
     send_message,
 )
 from wavelet.common.records import RecordWriter
+from wavelet.ps.policy import make_policy
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats, wave_name
 
@@ -56,6 +57,7 @@ class _ParkedPull:
     wave: WaveId
     clock: int
     since: float
+    action: str = ""  # what became of the push that came with this pull
 
 
 class ShardServer:
@@ -73,6 +75,9 @@ class ShardServer:
         self._sum: dict[int, torch.Tensor] | None = None
         self._sum_clock = -1
         self._sum_count = 0
+        self._sum_lr = 0.0
+        job = config.job
+        self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
         self._sends: list[zmq.MessageTracker] = []
         self._stopping = False
         self._handlers = {op: getattr(self, f"rpc_{op}") for op in REQUEST_OPS}
@@ -178,18 +183,19 @@ class ShardServer:
         return self._pull_or_park(identity, h.request_id, wave, h.clock)
 
     def rpc_push(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
-        self._push(h, tensors)
-        return self._ok(h)
+        _, action = self._push(h, tensors)
+        return self._ok(h, action=action)
 
     def rpc_push_pull(
         self, identity: bytes, h: Header, tensors: list[torch.Tensor]
     ) -> Reply | None:
-        wave = self._push(h, tensors)
-        return self._pull_or_park(identity, h.request_id, wave, self.clocks.clocks[wave])
+        wave, action = self._push(h, tensors)
+        return self._pull_or_park(identity, h.request_id, wave, self.clocks.clocks[wave], action)
 
     def rpc_leave(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
         wave = self._registered(h)
         self.clocks.leave(wave)
+        self.policy.forget(wave)
         log.info("wave %s left at clock %d", wave_name(wave), self.clocks.clocks[wave])
         self._maybe_apply_sum()
         return self._ok(h)
@@ -222,7 +228,7 @@ class ShardServer:
 
     # --- pushes and pulls ---------------------------------------------------------------------
 
-    def _push(self, h: Header, tensors: list[torch.Tensor]) -> WaveId:
+    def _push(self, h: Header, tensors: list[torch.Tensor]) -> tuple[WaveId, str]:
         """Validate a push completely, then apply or accumulate it."""
         wave = self._registered(h)
         shard = self.shard
@@ -252,23 +258,31 @@ class ShardServer:
                 f"pull before pushing clock {clock}",
             )
         shard.check_push(h.keys, tensors)
+        lr_scale = _lr_scale(h)
 
         tau = shard.version - h.read_version
         grads = shard.gradients(tensors)
         self._wait_sends()
         shard.store_buffers(wave, tensors)
         if self.bound.synchronous:
+            # Every gradient of the open clock read the same version (tau = 0): average them.
             if self._sum is None:
                 self._sum = {k: g.clone() for k, g in grads.items()}
-                self._sum_clock, self._sum_count = clock, 1
+                self._sum_clock, self._sum_count, self._sum_lr = clock, 1, lr_scale
             else:
                 for k, g in grads.items():
                     self._sum[k].add_(g)
                 self._sum_count += 1
+                self._sum_lr += lr_scale
             action = "accumulated"
         else:
-            shard.apply(grads)
-            action = "applied"
+            decision = self.policy.decide(wave, tau, grads, shard.params)
+            action = decision.action
+            if decision.grads is None:
+                self.stats[wave].dropped += 1
+            else:
+                lr_scale *= decision.lr_scale
+                shard.apply(decision.grads, lr_scale)
         self.clocks.advance(wave)
         self.stats[wave].record_push(tau)
         if self.push_log:
@@ -282,10 +296,12 @@ class ShardServer:
                     "version": shard.version,
                     "staleness": tau,
                     "action": action,
+                    "lr_scale": lr_scale,
+                    "policy": self.policy.name,
                 }
             )
         self._maybe_apply_sum()
-        return wave
+        return wave, action
 
     def _maybe_apply_sum(self) -> None:
         """Bulk-synchronous: apply the mean once every live wave has pushed the open clock."""
@@ -296,15 +312,15 @@ class ShardServer:
             return
         grads = {k: s.div_(self._sum_count) for k, s in self._sum.items()}
         self._wait_sends()
-        self.shard.apply(grads)
-        self._sum, self._sum_count = None, 0
+        self.shard.apply(grads, self._sum_lr / self._sum_count)
+        self._sum, self._sum_count, self._sum_lr = None, 0, 0.0
 
     def _pull_or_park(
-        self, identity: bytes, request_id: int, wave: WaveId, clock: int
+        self, identity: bytes, request_id: int, wave: WaveId, clock: int, action: str = ""
     ) -> Reply | None:
         if self._may_read(clock):
-            return self._weights(request_id, wave, clock, parked_s=0.0)
-        self.parked.append(_ParkedPull(identity, request_id, wave, clock, time.monotonic()))
+            return self._weights(request_id, wave, clock, 0.0, action)
+        self.parked.append(_ParkedPull(identity, request_id, wave, clock, time.monotonic(), action))
         self.stats[wave].parked += 1
         return None
 
@@ -325,20 +341,23 @@ class ShardServer:
             if self._may_read(p.clock):
                 waited = time.monotonic() - p.since
                 self.stats[p.wave].parked_s += waited
-                self._send(p.identity, *self._weights(p.request_id, p.wave, p.clock, waited))
+                reply = self._weights(p.request_id, p.wave, p.clock, waited, p.action)
+                self._send(p.identity, *reply)
             else:
                 still.append(p)
         self.parked = still
 
-    def _weights(self, request_id: int, wave: WaveId | None, clock: int, parked_s: float) -> Reply:
+    def _weights(
+        self, request_id: int, wave: WaveId | None, clock: int, parked_s: float, action: str = ""
+    ) -> Reply:
+        body = {"version": self.shard.version, "clock": clock, "parked_s": parked_s}
+        if action:
+            body["action"] = action  # what became of the push this pull came with
         if wave is not None:
             self.stats[wave].record_read(clock, self.shard.version)
-        h = Header(
-            op=Op.REPLY,
-            request_id=request_id,
-            keys=self.shard.keys,
-            body={"version": self.shard.version, "clock": clock, "parked_s": parked_s},
-        )
+            if not self.bound.synchronous:
+                self.policy.on_read(wave, self.shard.params)
+        h = Header(op=Op.REPLY, request_id=request_id, keys=self.shard.keys, body=body)
         return h, self.shard.values()
 
     # --- helpers ------------------------------------------------------------------------------
@@ -418,3 +437,13 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _lr_scale(h: Header) -> float:
+    """The learning-rate factor a push carries (the job's schedule); 1 when absent."""
+    scale = h.body.get("lr_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0.0 <= scale <= 1.0:
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"lr_scale must be a number in [0, 1], got {scale!r}"
+        )
+    return float(scale)

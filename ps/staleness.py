@@ -66,6 +66,7 @@ class WaveStats:
     reads_total: int = 0
     parked: int = 0
     parked_s: float = 0.0
+    dropped: int = 0
     rejected: Counter = field(default_factory=Counter)
 
     def record_push(self, tau: int) -> None:
@@ -88,5 +89,6 @@ class WaveStats:
             "reads_total": self.reads_total,
             "parked": self.parked,
             "parked_s": self.parked_s,
+            "dropped": self.dropped,
             "rejected": dict(self.rejected),
         }

@@ -112,8 +112,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         devices=args.devices.split(","),
         run_dir=args.run_dir or "",
         host=args.host,
+        mode=args.mode,
+        schedule=args.schedule,
+        ranks_per_device=args.ranks_per_device,
     )
-    return launch(config, schedule=args.schedule, quiet=args.quiet)
+    return launch(config, quiet=args.quiet)
 
 
 def _cmd_ps(args: argparse.Namespace) -> int:
@@ -138,7 +141,7 @@ def _cmd_ps(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from wavelet.worker.daemon import WorkerDaemon
+    from wavelet.common.job import check_job
 
     config = WorkerConfig(
         job=job_from_args(args),
@@ -148,11 +151,17 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         num_workers=args.num_workers,
         threads=args.threads,
         run_dir=args.run_dir,
+        mode=args.mode,
     )
-    from wavelet.common.job import check_job
+    if config.mode == "allreduce":
+        from wavelet.worker.allreduce import AllReduceWorker
 
-    check_job(config.job, config.num_workers * config.job.waves)
-    daemon = WorkerDaemon(config, schedule=args.schedule)
+        daemon = AllReduceWorker(config, ranks_per_device=args.ranks_per_device)
+    else:
+        from wavelet.worker.daemon import WorkerDaemon
+
+        check_job(config.job, config.num_workers * config.job.waves)
+        daemon = WorkerDaemon(config, schedule=args.schedule)
     _on_signals(daemon.stop)
     return daemon.run()
 
@@ -198,6 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="ticktock",
         help="ticktock: forwards take turns; together: waves start at once",
     )
+    launch.add_argument(
+        "--mode",
+        choices=["ps", "allreduce"],
+        default="ps",
+        help="ps: waves through the shards; allreduce: DDP over "
+        "torch.distributed (gloo on CPU, NCCL on GPU), the baseline",
+    )
+    launch.add_argument(
+        "--ranks-per-device",
+        type=int,
+        default=1,
+        help="allreduce mode: 2 runs two ranks on each device",
+    )
     launch.add_argument("--quiet", action="store_true", help="no progress lines")
     launch.set_defaults(run=_cmd_launch)
 
@@ -225,9 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard",
         action="append",
         default=[],
-        required=True,
         metavar="ADDRESS",
-        help="a shard's address, once per shard, in order",
+        help="a shard's address, once per shard, in order (ps mode)",
     )
     worker.add_argument("--device", default="cpu")
     worker.add_argument("--rank", type=int, default=0)
@@ -237,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--run-dir", default="runs/latest")
     worker.add_argument("--schedule", choices=["ticktock", "together"], default="ticktock")
+    worker.add_argument(
+        "--mode",
+        choices=["ps", "allreduce"],
+        default="ps",
+        help="allreduce: one DDP rank, rendezvous from torchrun's env:// "
+        "variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)",
+    )
+    worker.add_argument("--ranks-per-device", type=int, default=1)
     worker.set_defaults(run=_cmd_worker)
 
     stats = sub.add_parser("stats", help="print live shards' versions, clocks and staleness")

@@ -9,16 +9,18 @@ and as soon as any child fails, whose error is then shown.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wavelet.common.config import LaunchConfig, to_dict
+from wavelet.common.config import ConfigError, JobConfig, LaunchConfig, to_dict
 from wavelet.common.job import check_job
 from wavelet.common.protocol import Op, RemoteError
 from wavelet.common.records import read_records
@@ -63,10 +65,9 @@ def _die_with_parent() -> None:
 class Job:
     config: LaunchConfig
     run_dir: Path
-    schedule: str
     children: list[Child] = field(default_factory=list)
 
-    def spawn(self, name: str, args: list[str]) -> Child:
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         log = self.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
@@ -77,7 +78,7 @@ class Job:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
         child = Child(name, proc, log)
         self.children.append(child)
@@ -103,70 +104,34 @@ class Job:
                 c.proc.wait()
 
 
-def launch(config: LaunchConfig, schedule: str = "ticktock", quiet: bool = False) -> int:
+def launch(config: LaunchConfig, quiet: bool = False) -> int:
+    """Run the job to the end; 0 on success, 1 if a child failed, 130 on Ctrl-C."""
     job_cfg = config.job
-    total_waves = len(config.devices) * job_cfg.waves
-    check_job(job_cfg, total_waves)
+    if config.mode == "allreduce" and config.ranks_per_device == 1:
+        # One rank does the work of a device's waves: same samples per step, same data split.
+        job_cfg = dataclasses.replace(
+            job_cfg, batch_size=job_cfg.batch_size * job_cfg.waves, waves=1
+        )
+    tasks = len(config.devices) * (
+        job_cfg.waves if config.mode == "ps" else config.ranks_per_device
+    )
+    check_job(job_cfg, tasks)
     run_dir = Path(config.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if (run_dir / "records").exists() and any((run_dir / "records").iterdir()):
+        raise ConfigError(f"run dir {run_dir} already holds a run; choose another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir / "job.json"
     job_file.write_text(json.dumps(to_dict(job_cfg), indent=2, default=str))
-    job = Job(config, run_dir, schedule)
-    cpu_workers = sum(1 for d in config.devices if d.startswith("cpu"))
-    threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+    job = Job(config, run_dir)
     started = time.monotonic()
     try:
-        shards = []
-        for i in range(job_cfg.shards):
-            ready = run_dir / f"ps-{i}.addr"
-            ready.unlink(missing_ok=True)
-            child = job.spawn(
-                f"ps-{i}",
-                [
-                    "ps",
-                    "--config",
-                    str(job_file),
-                    "--shard-index",
-                    str(i),
-                    "--bind",
-                    f"tcp://{config.host}:0",
-                    "--expect-waves",
-                    str(total_waves),
-                    "--ready-file",
-                    str(ready),
-                    "--run-dir",
-                    str(run_dir),
-                ],
-            )
-            shards.append((child, ready))
-        addresses = [_wait_ready(job, child, ready) for child, ready in shards]
-        workers = []
-        for rank, device in enumerate(config.devices):
-            args = [
-                "worker",
-                "--config",
-                str(job_file),
-                "--device",
-                device,
-                "--rank",
-                str(rank),
-                "--num-workers",
-                str(len(config.devices)),
-                "--threads",
-                str(threads),
-                "--run-dir",
-                str(run_dir),
-                "--schedule",
-                schedule,
-            ]
-            for a in addresses:
-                args += ["--shard", a]
-            workers.append(job.spawn(f"worker-{rank}", args))
-        _say(
-            quiet,
-            f"run dir {run_dir}: {job_cfg.shards} shard(s), {len(config.devices)} "
-            f"worker(s) x {job_cfg.waves} wave(s), model {job_cfg.model} on {job_cfg.dataset}",
-        )
+        if config.mode == "ps":
+            addresses = _start_shards(job, job_file, tasks)
+            workers = _start_ps_workers(job, job_file, addresses)
+        else:
+            addresses = []
+            workers = _start_ranks(job, job_file)
+        _say(quiet, f"run dir {run_dir}: {describe(config, job_cfg)}")
         progress = Progress(run_dir, job_cfg.epochs)
         while any(w.proc.poll() is None for w in workers):
             job.check(allow_exit=tuple(workers))
@@ -174,7 +139,7 @@ def launch(config: LaunchConfig, schedule: str = "ticktock", quiet: bool = False
             if not quiet and progress.due():
                 print(progress.line(time.monotonic() - started), flush=True)
         job.check(allow_exit=tuple(workers))
-        summary = _finish(job, addresses, progress)
+        summary = _finish(job, job_cfg, addresses, progress)
         _say(quiet, "")
         print(format_summary(summary), flush=True)
         return 0
@@ -188,6 +153,116 @@ def launch(config: LaunchConfig, schedule: str = "ticktock", quiet: bool = False
         job.teardown()
 
 
+def describe(config: LaunchConfig, job: JobConfig) -> str:
+    if config.mode == "allreduce":
+        ranks = len(config.devices) * config.ranks_per_device
+        how = f"all-reduce, {ranks} rank(s) on {len(config.devices)} device(s)"
+    else:
+        how = (
+            f"{job.shards} shard(s), {len(config.devices)} worker(s) x {job.waves} wave(s) "
+            f"({config.schedule}), staleness bound {job.staleness}"
+        )
+    return f"{how}, model {job.model} on {job.dataset}"
+
+
+def _threads_per_process(devices: list[str], per_device: int = 1) -> int:
+    cpu_processes = sum(per_device for d in devices if d.startswith("cpu"))
+    return max(1, (os.cpu_count() or 1) // max(1, cpu_processes))
+
+
+def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:
+    shards = []
+    for i in range(job.config.job.shards):
+        ready = job.run_dir / f"ps-{i}.addr"
+        ready.unlink(missing_ok=True)
+        args = [
+            "ps",
+            "--config",
+            str(job_file),
+            "--shard-index",
+            str(i),
+            "--bind",
+            f"tcp://{job.config.host}:0",
+            "--expect-waves",
+            str(total_waves),
+            "--ready-file",
+            str(ready),
+            "--run-dir",
+            str(job.run_dir),
+        ]
+        shards.append((job.spawn(f"ps-{i}", args), ready))
+    return [_wait_ready(job, child, ready) for child, ready in shards]
+
+
+def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Child]:
+    devices = job.config.devices
+    # A device's waves run concurrently in one process: size its pool for all of them.
+    threads = _threads_per_process(devices, job.config.job.waves)
+    workers = []
+    for rank, device in enumerate(devices):
+        args = [
+            "worker",
+            "--config",
+            str(job_file),
+            "--device",
+            device,
+            "--rank",
+            str(rank),
+            "--num-workers",
+            str(len(devices)),
+            "--threads",
+            str(threads),
+            "--run-dir",
+            str(job.run_dir),
+            "--schedule",
+            job.config.schedule,
+        ]
+        for a in addresses:
+            args += ["--shard", a]
+        workers.append(job.spawn(f"worker-{rank}", args))
+    return workers
+
+
+def _start_ranks(job: Job, job_file: Path) -> list[Child]:
+    """DDP ranks with torchrun's environment variables (env:// rendezvous)."""
+    per_device = job.config.ranks_per_device
+    devices = job.config.devices
+    world = len(devices) * per_device
+    threads = _threads_per_process(devices, per_device)
+    env = {
+        "MASTER_ADDR": job.config.host,
+        "MASTER_PORT": str(_free_port(job.config.host)),
+        "WORLD_SIZE": str(world),
+    }
+    ranks = []
+    for rank in range(world):
+        device = devices[rank // per_device]
+        args = [
+            "worker",
+            "--mode",
+            "allreduce",
+            "--config",
+            str(job_file),
+            "--device",
+            device,
+            "--ranks-per-device",
+            str(per_device),
+            "--threads",
+            str(threads),
+            "--run-dir",
+            str(job.run_dir),
+        ]
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        ranks.append(job.spawn(f"worker-{rank}", args, rank_env))
+    return ranks
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def _wait_ready(job: Job, child: Child, ready: Path) -> str:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not ready.exists():
@@ -198,15 +273,19 @@ def _wait_ready(job: Job, child: Child, ready: Path) -> str:
     return ready.read_text().strip()
 
 
-def _finish(job: Job, addresses: list[str], progress: Progress) -> dict:
-    cfg = job.config.job
+def _finish(job: Job, job_cfg: JobConfig, addresses: list[str], progress: Progress) -> dict:
     progress.read()
-    accuracy = evaluate_shards(addresses, cfg)
-    stats = merge_wave_stats(fetch_stats(addresses))
-    for a in addresses:
-        call_shard(a, Op.SHUTDOWN)
+    if addresses:
+        accuracy = evaluate_shards(addresses, job_cfg)
+        stats = merge_wave_stats(fetch_stats(addresses))
+        for a in addresses:
+            call_shard(a, Op.SHUTDOWN)
+    else:
+        accuracy = progress.final_accuracy
+        stats = {}
     summary = {
         "run_dir": str(job.run_dir),
+        "mode": job.config.mode,
         "test_accuracy": accuracy,
         "samples": progress.samples,
         "train_seconds": progress.elapsed(),
@@ -218,16 +297,19 @@ def _finish(job: Job, addresses: list[str], progress: Progress) -> dict:
 
 
 def format_summary(s: dict) -> str:
-    return "\n".join(
-        [
-            f"final test accuracy: {100 * s['test_accuracy']:.2f}%",
-            f"throughput: {s['samples_per_s']:.0f} samples/s ({s['samples']} samples in "
-            f"{s['train_seconds']:.1f}s, all waves)",
+    acc = s["test_accuracy"]
+    lines = [
+        f"final test accuracy: {100 * acc:.2f}%" if acc is not None else "no final accuracy",
+        f"throughput: {s['samples_per_s']:.0f} samples/s ({s['samples']} samples in "
+        f"{s['train_seconds']:.1f}s, all waves)",
+    ]
+    if s["waves"]:
+        lines += [
             "staleness per wave (updates applied between a wave's read and its push):",
             format_wave_table(s["waves"]),
-            f"records, logs and summary.json: {s['run_dir']}",
         ]
-    )
+    lines.append(f"records, logs and summary.json: {s['run_dir']}")
+    return "\n".join(lines)
 
 
 class Progress:
@@ -246,6 +328,7 @@ class Progress:
         self.epoch = 0
         self.steps = 0
         self.accuracy: float | None = None
+        self.final_accuracy: float | None = None
 
     def due(self) -> bool:
         if time.monotonic() < self._next:
@@ -274,6 +357,8 @@ class Progress:
             self.last_t = r["t"] if self.last_t is None else max(self.last_t, r["t"])
         elif r["kind"] == "eval":
             self.accuracy = r["test_acc"]
+        elif r["kind"] == "final":
+            self.final_accuracy = r["test_acc"]
 
     def elapsed(self) -> float:
         if self.first_t is None or self.last_t is None:

@@ -36,7 +36,7 @@ def test_toml_then_flags_then_set(tmp_path):
     assert job.model_kwargs == {"hidden": 64}
     assert _job("--staleness", "2").staleness == 2
     assert _job("--optimizer", "adamw").optimizer.effective_kwargs == {}
-    assert _job().optimizer.effective_kwargs == {"momentum": 0.9}
+    assert _job().optimizer.effective_kwargs == {"momentum": 0.7}
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_toml_then_flags_then_set(tmp_path):
         ({"epochs": "ten"}, "epochs must be int"),
         ({"bogus": 1}, "unknown setting 'bogus'"),
         ({"optimizer": {"name": "nosuch"}}, "not in torch.optim"),
-        ({"optimizer": {"name": "adam", "kwargs": {"momentum": 0.9}}}, "rejected its arguments"),
+        ({"optimizer": {"name": "adam", "kwargs": {"momentum": 0.7}}}, "rejected its arguments"),
         ({"optimizer": {"lr": -1.0}}, "lr must be > 0"),
         ({"epochs": 0, "max_seconds": 0}, "budget"),
     ],

@@ -31,6 +31,7 @@ class ShardTimeout(TimeoutError):
 class PullResult:
     versions: list[int]  # the version each shard's weights carry
     parked_s: float  # longest time a shard held the pull back for the staleness bound
+    dropped: int = 0  # shards that dropped the gradient pushed with this pull (drop policy)
 
 
 class PSClient:
@@ -96,8 +97,10 @@ class PSClient:
         replies = self._all(Op.PULL, clock=clock, body={"observer": True} if observer else {})
         return self._load(replies)
 
-    def push_pull(self, clock: int, read_versions: list[int]) -> PullResult:
-        """Push our gradients (and buffers) for ``clock``, then read weights for ``clock + 1``."""
+    def push_pull(self, clock: int, read_versions: list[int], lr_scale: float = 1.0) -> PullResult:
+        """Push our gradients (and buffers) for ``clock``, then read weights for ``clock + 1``.
+
+        ``lr_scale`` multiplies the learning rate of this update (the job's schedule)."""
         messages = []
         for shard, chunks in enumerate(self.chunks):
             h = self._header(
@@ -105,9 +108,15 @@ class PSClient:
                 clock=clock,
                 read_version=read_versions[shard],
                 keys=[c.key for c in chunks],
+                body={"lr_scale": lr_scale},
             )
             messages.append((h, [self._push_tensor(c) for c in chunks]))
         return self._load(self._exchange(messages))
+
+    @property
+    def round_trip_bytes(self) -> int:
+        """Tensor bytes one push_pull puts on the wire: every chunk up, every chunk back."""
+        return 2 * sum(c.nbytes for c in self.plan.chunks)
 
     def leave(self) -> None:
         self._all(Op.LEAVE)
@@ -150,6 +159,7 @@ class PSClient:
         return PullResult(
             versions=[h.body["version"] for h, _ in replies],
             parked_s=max(h.body.get("parked_s", 0.0) for h, _ in replies),
+            dropped=sum(h.body.get("action") == "dropped" for h, _ in replies),
         )
 
     # --- requests -----------------------------------------------------------------------------

@@ -29,9 +29,11 @@ class _Saved:
 
 
 class SavedActivationMeter:
-    """Live and peak saved-activation bytes of one wave, with an optional (time, bytes) trace."""
+    """Live and peak saved-activation bytes of one wave, with an optional (time, bytes) trace.
 
-    def __init__(self, parameters: Iterable[torch.Tensor] = (), clock=time.perf_counter):
+    The trace uses wall-clock time so traces of waves in different processes share one clock."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = (), clock=time.time):
         self._exclude = {p.untyped_storage().data_ptr() for p in parameters}
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self._lock = threading.Lock()

@@ -21,6 +21,7 @@ from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import Dataset
 from wavelet.common.models import build_model
 from wavelet.common.records import RecordWriter
+from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import PSClient, StopRequested
@@ -120,6 +121,7 @@ class Wave:
                     "batch_size": job.batch_size,
                     "wave": ident.local,
                     "device": str(self.device),
+                    "device_index": self.config.rank,
                 }
             )
             started = time.monotonic()
@@ -134,7 +136,13 @@ class Wave:
                     if job.max_seconds and time.monotonic() - started >= job.max_seconds:
                         return
                     meter.tracing = iteration < job.memory_trace_iters
-                    pulled = self._step(model, meter, client, x, y, clock, pulled, epoch, iteration)
+                    done = progress(
+                        iteration, job.epochs * steps, time.monotonic() - started, job.max_seconds
+                    )
+                    lr_scale = lr_factor(job.lr_schedule, done)
+                    pulled = self._step(
+                        model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale
+                    )
                     clock += 1
                     iteration += 1
                 if self.evaluate and job.eval_every and (epoch + 1) % job.eval_every == 0:
@@ -152,7 +160,7 @@ class Wave:
                         {"kind": "memory_trace", "wave": ident.local, "trace": meter.trace}
                     )
 
-    def _step(self, model, meter, client, x, y, clock, pulled, epoch, iteration):
+    def _step(self, model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale):
         dev = self.device
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         rec = {
@@ -179,7 +187,7 @@ class Wave:
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
         t2 = time.perf_counter()
-        next_pull = client.push_pull(clock, pulled.versions)
+        next_pull = client.push_pull(clock, pulled.versions, lr_scale)
         t3 = time.perf_counter()
         rec.update(
             t=time.time(),
@@ -189,7 +197,10 @@ class Wave:
             forward_s=t1 - t0,
             backward_s=t2 - t1,
             push_pull_s=t3 - t2,
+            wire_bytes=client.round_trip_bytes,
+            lr_scale=lr_scale,
             bound_wait_s=next_pull.parked_s,
+            dropped=next_pull.dropped,
             saved_bytes_peak=meter.peak,
             **device_memory(dev),
         )
