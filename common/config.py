@@ -110,6 +110,9 @@ class JobConfig:
     memory_trace_iters: int = 40  # iterations per wave whose saved-activation timeline is kept
     request_timeout_s: float = 300.0  # longest wait for a shard's reply, parking included
     baton_timeout_s: float = 30.0  # a wave stalled this long loses its turn to forward
+    # The baton passes once the holder's backward has freed all but this fraction of its saved
+    # activations; 1.0 passes it the moment the forward ends (see docs/design.md).
+    baton_handoff: float = 0.3
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "waves", "shards"):
@@ -120,6 +123,8 @@ class JobConfig:
             _non_negative(name, getattr(self, name))
         for name in ("chunk_mib", "request_timeout_s", "baton_timeout_s"):
             _positive(name, getattr(self, name))
+        if not 0.0 <= self.baton_handoff <= 1.0:
+            raise ConfigError(f"baton_handoff must be in [0, 1], got {self.baton_handoff!r}")
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("stale_policy", self.stale_policy, STALE_POLICIES)
         _non_negative("drop_limit", self.drop_limit)

@@ -13,7 +13,9 @@ import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from wavelet.common.config import (
@@ -166,6 +168,20 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return daemon.run()
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from wavelet.scripts.compare import compare, format_table
+
+    out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        results = compare(job_from_args(args), args.devices.split(","), modes, out, args.target_acc)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    print(format_table(results, args.target_acc))
+    print(f"report: {out / 'report.md'}")
+    return 0 if all(r.ok for r in results) else 1
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from wavelet.scripts.stats import print_stats
 
@@ -267,6 +283,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--ranks-per-device", type=int, default=1)
     worker.set_defaults(run=_cmd_worker)
+
+    comp = sub.add_parser("compare", help="run one job in several modes and compare them")
+    _add_job_flags(comp)
+    comp.add_argument(
+        "--modes",
+        default="ticktock,single,together,bsp,allreduce,allreduce2",
+        help="comma-separated, from ticktock, single, together, bsp, allreduce, "
+        "allreduce2 (default: all)",
+    )
+    comp.add_argument("--devices", default="cpu")
+    comp.add_argument("--out", help="report directory (default runs/compare-<time>)")
+    comp.add_argument(
+        "--target-acc",
+        type=float,
+        default=0.97,
+        help="test accuracy for the time-to-accuracy column (default 0.97)",
+    )
+    comp.set_defaults(run=_cmd_compare)
 
     stats = sub.add_parser("stats", help="print live shards' versions, clocks and staleness")
     stats.add_argument("addresses", nargs="+", metavar="ADDRESS")

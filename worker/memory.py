@@ -42,6 +42,7 @@ class SavedActivationMeter:
         self.peak = 0
         self.tracing = False
         self.trace: list[tuple[float, int]] = []
+        self._watch: tuple[int, object] | None = None
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -77,11 +78,30 @@ class SavedActivationMeter:
                 del self._live[key]
                 self._change(-entry[1])
 
+    def when_below(self, threshold: int, callback) -> None:
+        """Call ``callback`` once, as soon as live bytes drop to ``threshold`` or below (from
+        whichever thread frees them: the backward pass frees saved tensors as it goes)."""
+        with self._lock:
+            if self.current <= threshold:
+                fire = True
+            else:
+                self._watch = (threshold, callback)
+                fire = False
+        if fire:
+            callback()
+
+    def cancel_watch(self) -> None:
+        with self._lock:
+            self._watch = None
+
     def _change(self, delta: int) -> None:
         self.current += delta
         self.peak = max(self.peak, self.current)
         if self.tracing:
             self.trace.append((self.clock(), self.current))
+        if self._watch is not None and self.current <= self._watch[0]:
+            callback, self._watch = self._watch[1], None
+            callback()  # under the meter's lock: the callback must not use the meter
 
 
 def device_memory(device: torch.device) -> dict[str, int]:

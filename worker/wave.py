@@ -1,7 +1,8 @@
 """Wave: one data-parallel training task on a device, with its own model replica and data part.
 
-Per iteration: take the forward baton, forward, pass the baton on, backward, then push the
-gradients and pull the next weights in one round trip. Everything a wave does is recorded as one
+Per iteration: take the forward baton, forward, backward (passing the baton on once backward has
+freed most of the forward's activations), then push the gradients and pull the next weights in
+one round trip. Everything a wave does is recorded as one
 JSON line per iteration in the run directory.
 """
 
@@ -171,7 +172,8 @@ class Wave:
             "clock": clock,
             "versions_read": pulled.versions,
         }
-        baton_wait = self.baton.acquire(self.ident.local)
+        wave = self.ident.local
+        baton_wait = self.baton.acquire(wave)
         t0 = time.perf_counter()
         try:
             meter.reset_peak()
@@ -179,11 +181,23 @@ class Wave:
             with meter.hooks():
                 loss = F.cross_entropy(model(x), y)
             rec["t_forward_end"] = time.time()
-        finally:
-            self.baton.release(self.ident.local)
+            # Hand the baton over once backward has freed all but a fraction of this forward's
+            # activations, so the next forward never stacks on a full set (docs/design.md).
+            handoff = self.job.baton_handoff
+            if handoff >= 1.0:
+                self.baton.release(wave)
+            else:
+                meter.when_below(int(handoff * meter.current), lambda: self.baton.release(wave))
+        except BaseException:
+            self.baton.release(wave)
+            raise
         t1 = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            loss.backward()
+        finally:
+            meter.cancel_watch()
+            self.baton.release(wave)  # a no-op if the watch already passed it on
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
         t2 = time.perf_counter()

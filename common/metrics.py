@@ -1,0 +1,144 @@
+"""Numbers about a finished run, computed from its records (the raw JSON lines of the run dir).
+
+Used by ``wavelet compare`` and ``wavelet tune``; every figure in their reports comes from here,
+so a report can always be recomputed from the records it sits beside.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from wavelet.common.records import read_records
+
+Trace = list[tuple[float, int]]  # (wall time, live saved-activation bytes), one point per change
+
+
+def combined_timeline(traces: list[Trace]) -> Trace:
+    """Sum of several step functions on one clock: at each change of any trace, the total of
+    every trace's latest value (a trace counts 0 before its first point)."""
+    events = sorted((t, i, b) for i, tr in enumerate(traces) for t, b in tr)
+    current = [0] * len(traces)
+    total = 0
+    out: Trace = []
+    for t, i, b in events:
+        total += b - current[i]
+        current[i] = b
+        out.append((t, total))
+    return out
+
+
+def peak(trace: Trace) -> int:
+    return max((b for _, b in trace), default=0)
+
+
+def quantile(hist: dict[int, int], q: float) -> int:
+    total = sum(hist.values())
+    seen = 0
+    for value in sorted(hist):
+        seen += hist[value]
+        if seen >= q * total:
+            return value
+    return 0
+
+
+@dataclass
+class RunMetrics:
+    run_dir: str
+    samples_per_s: float = 0.0
+    train_seconds: float = 0.0
+    final_accuracy: float | None = None
+    time_to_target_s: float | None = None
+    accuracy_curve: list[tuple[float, float]] = field(default_factory=list)  # (s since start, acc)
+    peak_bytes_per_device: dict[str, int] = field(default_factory=dict)
+    single_wave_peak_bytes: dict[str, int] = field(default_factory=dict)
+    wire_bytes_per_sample: float = 0.0
+    staleness: dict[str, dict] = field(default_factory=dict)  # wave -> mean, p99, hist, dropped
+    bound_wait_s: float = 0.0
+    memory_traces: dict[str, dict[str, Trace]] = field(default_factory=dict)  # device -> wave
+
+    @property
+    def memory_ratio(self) -> float | None:
+        """Combined peak over one wave's peak, worst device."""
+        ratios = [
+            self.peak_bytes_per_device[d] / self.single_wave_peak_bytes[d]
+            for d in self.peak_bytes_per_device
+            if self.single_wave_peak_bytes.get(d)
+        ]
+        return max(ratios) if ratios else None
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["memory_ratio"] = self.memory_ratio
+        return d
+
+
+def run_metrics(run_dir: str | Path, target_accuracy: float) -> RunMetrics:
+    run_dir = Path(run_dir)
+    m = RunMetrics(str(run_dir))
+    start = None
+    last_t = None
+    samples = 0
+    wire = 0
+    devices: dict[str, str] = {}
+    traces: dict[str, dict[str, Trace]] = defaultdict(dict)
+    evals: list[tuple[float, float]] = []
+    for path in sorted((run_dir / "records").glob("worker-*.jsonl")):
+        wave = path.stem.replace("worker-", "w").replace("-wave-", "/")
+        for r in read_records(path):
+            kind = r["kind"]
+            if kind == "start":
+                start = r["t"] if start is None else min(start, r["t"])
+                devices[wave] = str(r.get("device_index", 0))
+            elif kind == "step":
+                samples += r["samples"]
+                wire += r.get("wire_bytes", 0)
+                m.bound_wait_s += r.get("bound_wait_s", 0.0)
+                last_t = r["t"] if last_t is None else max(last_t, r["t"])
+            elif kind == "eval":
+                evals.append((r["t"], r["test_acc"]))
+            elif kind == "memory_trace":
+                traces[devices.get(wave, "0")][wave] = [tuple(p) for p in r["trace"]]
+    if start is None or last_t is None:
+        return m
+    m.train_seconds = last_t - start
+    m.samples_per_s = samples / m.train_seconds if m.train_seconds > 0 else 0.0
+    m.wire_bytes_per_sample = wire / samples if samples else 0.0
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        m.final_accuracy = summary.get("test_accuracy")
+        if m.final_accuracy is not None:
+            evals.append((last_t, m.final_accuracy))
+    m.accuracy_curve = sorted((t - start, a) for t, a in evals)
+    m.time_to_target_s = next((t for t, a in m.accuracy_curve if a >= target_accuracy), None)
+    for device, by_wave in traces.items():
+        m.memory_traces[device] = by_wave
+        m.peak_bytes_per_device[device] = peak(combined_timeline(list(by_wave.values())))
+        m.single_wave_peak_bytes[device] = max(peak(t) for t in by_wave.values())
+    m.staleness = _staleness(run_dir)
+    return m
+
+
+def _staleness(run_dir: Path) -> dict[str, dict]:
+    """Per wave, over all shards' push records: staleness histogram, mean, p99, dropped."""
+    hist: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    dropped: dict[str, int] = defaultdict(int)
+    for path in sorted((run_dir / "records").glob("ps-*-pushes.jsonl")):
+        for r in read_records(path):
+            wave = f"{r['worker']}/{r['wave']}"
+            hist[wave][r["staleness"]] += 1
+            dropped[wave] += r["action"] == "dropped"
+    out = {}
+    for wave, h in sorted(hist.items()):
+        total = sum(h.values())
+        out[wave] = {
+            "mean": sum(t * n for t, n in h.items()) / total,
+            "p99": quantile(h, 0.99),
+            "max": max(h),
+            "hist": {str(t): n for t, n in sorted(h.items())},
+            "dropped": dropped[wave],
+        }
+    return out
