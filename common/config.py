@@ -113,6 +113,10 @@ class JobConfig:
     # The baton passes once the holder's backward has freed all but this fraction of its saved
     # activations; 1.0 passes it the moment the forward ends (see docs/design.md).
     baton_handoff: float = 0.3
+    # A straggler, for experiments: wave number slow_wave (counted over the whole job, -1 for
+    # none) takes slow_factor times as long per iteration.
+    slow_wave: int = -1
+    slow_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "waves", "shards"):
@@ -125,6 +129,8 @@ class JobConfig:
             _positive(name, getattr(self, name))
         if not 0.0 <= self.baton_handoff <= 1.0:
             raise ConfigError(f"baton_handoff must be in [0, 1], got {self.baton_handoff!r}")
+        if self.slow_factor < 1.0:
+            raise ConfigError(f"slow_factor must be >= 1, got {self.slow_factor!r}")
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("stale_policy", self.stale_policy, STALE_POLICIES)
         _non_negative("drop_limit", self.drop_limit)

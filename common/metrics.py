@@ -69,6 +69,10 @@ class RunMetrics:
         ]
         return max(ratios) if ratios else None
 
+    def one_line(self) -> str:
+        acc = f"{100 * self.final_accuracy:.2f}%" if self.final_accuracy is not None else "n/a"
+        return f"final accuracy {acc}, {self.samples_per_s:.0f} samples/s"
+
     def to_json(self) -> dict:
         d = asdict(self)
         d["memory_ratio"] = self.memory_ratio

@@ -350,7 +350,13 @@ class ShardServer:
     def _weights(
         self, request_id: int, wave: WaveId | None, clock: int, parked_s: float, action: str = ""
     ) -> Reply:
-        body = {"version": self.shard.version, "clock": clock, "parked_s": parked_s}
+        slowest = self.clocks.min_live_clock()
+        body = {
+            "version": self.shard.version,
+            "clock": clock,
+            "parked_s": parked_s,
+            "slowest_clock": -1 if slowest is None else slowest,
+        }
         if action:
             body["action"] = action  # what became of the push this pull came with
         if wave is not None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from wavelet.common.config import (
+    STALE_POLICIES,
     ConfigError,
     JobConfig,
     LaunchConfig,
@@ -182,6 +183,29 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from wavelet.scripts.tune import (
+        format_recommendation,
+        format_table,
+        parse_bounds,
+        settings_for,
+        tune,
+    )
+
+    job = job_from_args(args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        if p not in STALE_POLICIES:
+            raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(STALE_POLICIES)}")
+    settings = settings_for(parse_bounds(args.bounds), policies)
+    out = Path(args.out or f"runs/tune-{time.strftime('%Y%m%d-%H%M%S')}")
+    results = tune(job, args.devices.split(","), settings, out, args.target_acc)
+    print(format_table(results, args.target_acc))
+    print(format_recommendation(results))
+    print(f"report: {out / 'report.md'}")
+    return 0 if all(r.metrics for r in results) else 1
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from wavelet.scripts.stats import print_stats
 
@@ -301,6 +325,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="test accuracy for the time-to-accuracy column (default 0.97)",
     )
     comp.set_defaults(run=_cmd_compare)
+
+    tune = sub.add_parser("tune", help="sweep staleness bounds and policies on one job")
+    _add_job_flags(tune)
+    tune.add_argument("--bounds", default="0,1,2,4,8,inf", help="staleness bounds to try")
+    tune.add_argument(
+        "--policies", default="apply,scale,drop,dc-asgd", help="stale-gradient policies to try"
+    )
+    tune.add_argument("--devices", default="cpu")
+    tune.add_argument("--out", help="report directory (default runs/tune-<time>)")
+    tune.add_argument("--target-acc", type=float, default=0.97)
+    tune.set_defaults(run=_cmd_tune)
 
     stats = sub.add_parser("stats", help="print live shards' versions, clocks and staleness")
     stats.add_argument("addresses", nargs="+", metavar="ADDRESS")

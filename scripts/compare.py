@@ -83,6 +83,7 @@ def compare(
                 )
                 continue
             results.append(ModeResult(name, True, run_metrics(run_dir, target)))
+            print(f"   {results[-1].metrics.one_line()}", flush=True)
         except Exception as e:  # one broken mode must not lose the others' results
             (out / f"{name}.error.txt").write_text(traceback.format_exc())
             results.append(ModeResult(name, False, error=f"{type(e).__name__}: {e}"))

@@ -140,8 +140,7 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
                 print(progress.line(time.monotonic() - started), flush=True)
         job.check(allow_exit=tuple(workers))
         summary = _finish(job, job_cfg, addresses, progress)
-        _say(quiet, "")
-        print(format_summary(summary), flush=True)
+        _say(quiet, "\n" + format_summary(summary))
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the job", file=sys.stderr)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,7 +72,7 @@ class ShardDaemons:
     """``wavelet ps`` processes for one job; ``addresses`` once all are listening."""
 
     def __init__(self, tmp: Path, job_args: list[str], count: int, expect_waves: int = 0):
-        self.tmp = tmp
+        self.tmp = Path(tempfile.mkdtemp(prefix="shards-", dir=tmp))  # one per set of daemons
         self.job_args = job_args
         self.count = count
         self.expect_waves = expect_waves

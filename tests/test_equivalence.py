@@ -47,15 +47,26 @@ def _reference(waves: int, make_opt):
     return [t.detach() for t in model.state_dict().values()]
 
 
-@pytest.mark.parametrize("waves", [2, 3])
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_bulk_synchronous_equals_single_process(shard_daemons, waves, optimizer):
+@pytest.mark.parametrize(
+    "waves,optimizer,policy",
+    [
+        (2, "sgd", "apply"),
+        (3, "sgd", "apply"),
+        (2, "adam", "apply"),
+        (3, "adam", "apply"),
+        (2, "sgd", "scale"),
+        (2, "sgd", "drop"),
+        (2, "adam", "dc-asgd"),
+    ],
+)
+def test_bulk_synchronous_equals_single_process(shard_daemons, waves, optimizer, policy):
     if optimizer == "sgd":
         args = ["--optimizer", "sgd", "--lr", "0.1", "--set", "optimizer.kwargs.momentum=0.9"]
         make_opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
     else:
         args = ["--optimizer", "adam", "--lr", "0.01"]
         make_opt = lambda p: torch.optim.Adam(p, lr=0.01)
+    args += ["--stale-policy", policy, "--set", "drop_limit=0"]
     daemons = shard_daemons(["--staleness", "0", *args], count=2, expect_waves=waves)
     errors: list = []
     threads = [

@@ -21,7 +21,7 @@ def _wave(addresses, name, delay_s, reads, errors):
         try:
             c.register(0)
             pulled = c.pull(0)
-            reads.append((0, pulled.versions, pulled.parked_s))
+            reads.append((0, pulled.versions, pulled.parked_s, pulled.slowest_clock))
             g = torch.Generator().manual_seed(len(name))
             for clock in range(STEPS):
                 time.sleep(delay_s)
@@ -29,7 +29,7 @@ def _wave(addresses, name, delay_s, reads, errors):
                 x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
                 F.cross_entropy(model(x), y).backward()
                 pulled = c.push_pull(clock, pulled.versions)
-                reads.append((clock + 1, pulled.versions, pulled.parked_s))
+                reads.append((clock + 1, pulled.versions, pulled.parked_s, pulled.slowest_clock))
             c.leave()
         finally:
             c.close()
@@ -61,17 +61,29 @@ def _parked(address, worker):
         raw.close()
 
 
-@pytest.mark.parametrize("s", [0, 1, 3])
-def test_bound_holds_with_a_slow_wave(shard_daemons, s):
-    daemons = shard_daemons(["--staleness", str(s)], count=2, expect_waves=2)
+@pytest.mark.parametrize(
+    "s,policy",
+    [(0, "apply"), (1, "apply"), (3, "apply"), (2, "scale"), (2, "drop"), (2, "dc-asgd")],
+)
+def test_bound_holds_with_a_slow_wave(shard_daemons, s, policy):
+    daemons = shard_daemons(
+        ["--staleness", str(s), "--stale-policy", policy, "--set", "drop_limit=1"],
+        count=2,
+        expect_waves=2,
+    )
     fast, _ = _run(daemons, slow_delay_s=0.03)
-    for clock, versions, _ in fast:
+    for clock, versions, _, slowest in fast:
+        # what each shard says the slowest live wave's clock was when it served the read
+        assert all(c >= min(clock - s, STEPS) or c == -1 for c in slowest), (clock, slowest)
+        if policy == "drop":
+            continue  # dropped pushes apply nothing, so versions no longer count pushes
         for v in versions:
             if s == 0:
                 # bulk-synchronous: one update per clock, every wave reads the same version
                 assert v == clock
             else:
-                # every push is one update: the slow wave had pushed v - clock times
+                # every push is one update (a dropped one too: it still advances the clock,
+                # so count the fast wave's own pushes, not the versions, for it)
                 slow_clock = v - clock
                 assert slow_clock >= min(clock - s, STEPS), (clock, v, s)
     assert _parked(daemons.addresses[0], "fast") > 0, "the bound never held the fast wave back"
@@ -81,7 +93,7 @@ def test_asynchronous_fast_wave_never_waits(shard_daemons):
     daemons = shard_daemons(["--staleness", "inf"], count=2, expect_waves=2)
     fast, slow = _run(daemons, slow_delay_s=0.03)
     # after the start barrier, the fast wave is never parked
-    assert all(parked == 0.0 for _, _, parked in fast[1:])
+    assert all(parked == 0.0 for _, _, parked, _ in fast[1:])
     assert _parked(daemons.addresses[0], "fast") <= 1  # the start barrier alone, at most
     # ...and it really ran ahead: at some read the slow wave was several clocks behind
-    assert max(c - (v[0] - c) for c, v, _ in fast) >= 4
+    assert max(c - (v[0] - c) for c, v, _, _ in fast) >= 4

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -32,6 +32,7 @@ class PullResult:
     versions: list[int]  # the version each shard's weights carry
     parked_s: float  # longest time a shard held the pull back for the staleness bound
     dropped: int = 0  # shards that dropped the gradient pushed with this pull (drop policy)
+    slowest_clock: list[int] = field(default_factory=list)  # per shard, when it served the read
 
 
 class PSClient:
@@ -160,6 +161,7 @@ class PSClient:
             versions=[h.body["version"] for h, _ in replies],
             parked_s=max(h.body.get("parked_s", 0.0) for h, _ in replies),
             dropped=sum(h.body.get("action") == "dropped" for h, _ in replies),
+            slowest_clock=[h.body.get("slowest_clock", -1) for h, _ in replies],
         )
 
     # --- requests -----------------------------------------------------------------------------

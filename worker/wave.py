@@ -200,6 +200,8 @@ class Wave:
             self.baton.release(wave)  # a no-op if the watch already passed it on
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
+        if self.ident.global_index == self.job.slow_wave:  # a straggler, on request
+            time.sleep((self.job.slow_factor - 1.0) * (time.perf_counter() - t0))
         t2 = time.perf_counter()
         next_pull = client.push_pull(clock, pulled.versions, lr_scale)
         t3 = time.perf_counter()

@@ -1,0 +1,186 @@
+"""``wavelet tune``: sweep staleness bounds and stale-gradient policies on one job.
+
+Every setting runs as a real job under the same budget, optionally with one wave slowed down to
+play a straggler. Writes ``report.md`` (a table and a recommendation), ``accuracy.png``,
+``metrics.json`` and every setting's run directory with its raw records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import traceback
+from pathlib import Path
+
+from wavelet.common.config import INF, ConfigError, JobConfig, LaunchConfig
+from wavelet.common.metrics import RunMetrics, run_metrics
+from wavelet.scripts.launch import launch
+from wavelet.scripts.plots import accuracy_vs_time
+
+
+@dataclasses.dataclass
+class Setting:
+    bound: float
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return f"s={_bound(self.bound)} {self.policy}"
+
+
+@dataclasses.dataclass
+class SettingResult:
+    setting: Setting
+    metrics: RunMetrics | None = None
+    error: str = ""
+
+
+def parse_bounds(text: str) -> list[float]:
+    bounds = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        value = INF if part in ("inf", "infinity") else float(part)
+        if not (value >= 0 and (value == INF or value.is_integer())):
+            raise ConfigError(f"staleness bound {part!r} must be a whole number >= 0 or inf")
+        bounds.append(value)
+    return bounds
+
+
+def settings_for(bounds: list[float], policies: list[str]) -> list[Setting]:
+    """Every (bound, policy) pair; under s = 0 every policy is the same, so it runs once."""
+    out = []
+    for b in bounds:
+        for p in [policies[0]] if b == 0 else policies:
+            out.append(Setting(b, p))
+    return out
+
+
+def tune(
+    job: JobConfig, devices: list[str], settings: list[Setting], out: Path, target: float
+) -> list[SettingResult]:
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for i, setting in enumerate(settings):
+        run_dir = out / f"{i:02d}-s{_bound(setting.bound)}-{setting.policy}"
+        print(f"== {setting.name}", flush=True)
+        try:
+            cfg = dataclasses.replace(job, staleness=setting.bound, stale_policy=setting.policy)
+            code = launch(LaunchConfig(job=cfg, devices=devices, run_dir=str(run_dir)), quiet=True)
+            if code != 0:
+                results.append(
+                    SettingResult(setting, error=f"exited with {code}; see {run_dir}/logs")
+                )
+                continue
+            results.append(SettingResult(setting, run_metrics(run_dir, target)))
+            print(f"   {results[-1].metrics.one_line()}", flush=True)
+        except Exception as e:  # a failed setting is a row, not a lost sweep
+            (out / f"{run_dir.name}.error.txt").write_text(traceback.format_exc())
+            results.append(SettingResult(setting, error=f"{type(e).__name__}: {e}"))
+    write_report(results, out, target, job)
+    return results
+
+
+def recommend(results: list[SettingResult]) -> tuple[SettingResult, SettingResult | None, str]:
+    """Best time to the target accuracy; if no setting reached it, best final accuracy."""
+    ok = [r for r in results if r.metrics is not None]
+    if not ok:
+        raise ValueError("no setting finished")
+    reached = [r for r in ok if r.metrics.time_to_target_s is not None]
+    if reached:
+        ranked = sorted(reached, key=lambda r: r.metrics.time_to_target_s)
+        best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+        if second is None:
+            return best, None, "the only setting that reached the target"
+        margin = second.metrics.time_to_target_s - best.metrics.time_to_target_s
+        return best, second, f"{margin:.2f}s sooner to the target than the runner-up"
+    ranked = sorted(ok, key=lambda r: -(r.metrics.final_accuracy or 0.0))
+    best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+    if second is None:
+        return best, None, "no setting reached the target; the only one that finished"
+    margin = 100 * ((best.metrics.final_accuracy or 0) - (second.metrics.final_accuracy or 0))
+    return (
+        best,
+        second,
+        (
+            f"no setting reached the target; {margin:.2f} points more final "
+            "accuracy than the runner-up"
+        ),
+    )
+
+
+def format_table(results: list[SettingResult], target: float) -> str:
+    head = [
+        "bound",
+        "policy",
+        "samples/s",
+        f"time to {100 * target:g}% (s)",
+        "final acc",
+        "staleness mean",
+        "staleness p99",
+        "dropped",
+        "bound wait (s)",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        s, m = r.setting, r.metrics
+        if m is None:
+            lines.append(f"| {_bound(s.bound)} | {s.policy} | failed: {r.error} |" + " |" * 6)
+            continue
+        waves = m.staleness.values()
+        mean = sum(w["mean"] for w in waves) / len(waves) if waves else 0.0
+        p99 = max((w["p99"] for w in waves), default=0)
+        dropped = sum(w["dropped"] for w in waves)
+        ttt = f"{m.time_to_target_s:.2f}" if m.time_to_target_s is not None else "not reached"
+        acc = f"{100 * m.final_accuracy:.2f}%" if m.final_accuracy is not None else "n/a"
+        lines.append(
+            f"| {_bound(s.bound)} | {s.policy} | {m.samples_per_s:.0f} | {ttt} | {acc} "
+            f"| {mean:.2f} | {p99} | {dropped} | {m.bound_wait_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def format_recommendation(results: list[SettingResult]) -> str:
+    try:
+        best, second, why = recommend(results)
+    except ValueError:
+        return "No recommendation: no setting finished."
+    text = f"Recommended: **{best.setting.name}** ({why})"
+    if second is not None:
+        text += f"; runner-up: {second.setting.name}"
+    return text + "."
+
+
+def write_report(results: list[SettingResult], out: Path, target: float, job: JobConfig) -> None:
+    ok = {r.setting.name: r.metrics for r in results if r.metrics is not None}
+    accuracy_vs_time(ok, out / "accuracy.png", target)
+    (out / "metrics.json").write_text(
+        json.dumps(
+            [
+                {
+                    "bound": _bound(r.setting.bound),
+                    "policy": r.setting.policy,
+                    **(r.metrics.to_json() if r.metrics else {"error": r.error}),
+                }
+                for r in results
+            ],
+            indent=1,
+        )
+    )
+    straggler = (
+        f"wave {job.slow_wave} slowed {job.slow_factor:g}x"
+        if job.slow_wave >= 0
+        else "no straggler"
+    )
+    budget = f"{job.epochs} epochs" if job.epochs else f"{job.max_seconds:g} s"
+    (out / "report.md").write_text(
+        f"# wavelet tune\n\n{job.model} on {job.dataset}, {budget}, {straggler}.\n\n"
+        f"{format_table(results, target)}\n\n{format_recommendation(results)}\n\n"
+        "Under s = 0 every policy is the same (all gradients have staleness 0), so it runs once. "
+        "Raw records: each setting's `records/`; numbers: metrics.json.\n\n"
+        "![accuracy](accuracy.png)\n"
+    )
+
+
+def _bound(b: float) -> str:
+    return "inf" if math.isinf(b) else str(int(b))

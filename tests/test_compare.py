@@ -1,0 +1,92 @@
+"""All-reduce mode, ``wavelet compare`` and the memory arithmetic behind its report."""
+
+import json
+import subprocess
+
+import matplotlib.image
+import pytest
+from conftest import CHILD_ENV, wavelet_cmd
+
+from wavelet.common.metrics import combined_timeline, peak, run_metrics
+from wavelet.common.records import read_records
+from wavelet.scripts.compare import COLUMNS, MODES
+
+
+def test_combined_timeline_known_answer():
+    # wave a: 0 -> 10 at t=1, 4 at t=3, 0 at t=5; wave b: 6 at t=2, 12 at t=4, 0 at t=6
+    a = [(1.0, 10), (3.0, 4), (5.0, 0)]
+    b = [(2.0, 6), (4.0, 12), (6.0, 0)]
+    both = combined_timeline([a, b])
+    assert both == [(1.0, 10), (2.0, 16), (3.0, 10), (4.0, 16), (5.0, 12), (6.0, 0)]
+    assert peak(both) == 16
+    # perfectly interleaved waves never stack; waves started together do
+    tick = [(0, 5), (1, 10), (2, 5), (3, 0)]
+    tock = [(2, 5), (3, 10), (4, 5), (5, 0)]
+    assert peak(combined_timeline([tick, tock])) == 10
+    assert peak(combined_timeline([tick, tick])) == 20
+    assert combined_timeline([]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_allreduce_mode_trains_digits_with_two_ranks(tmp_path):
+    run_dir = tmp_path / "ar"
+    done = subprocess.run(
+        wavelet_cmd(
+            "launch", "--mode", "allreduce", "--ranks-per-device", "2", "--run-dir", str(run_dir)
+        ),
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mode"] == "allreduce" and summary["test_accuracy"] >= 0.97
+    starts = [next(read_records(p)) for p in sorted((run_dir / "records").glob("*.jsonl"))]
+    assert [s["world_size"] for s in starts] == [2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compare_report_is_complete_and_matches_the_records(tmp_path):
+    out = tmp_path / "cmp"
+    done = subprocess.run(
+        wavelet_cmd("compare", "--epochs", "1", "--out", str(out), "--target-acc", "0.5"),
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=290,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    table = [line for line in report.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(MODES)
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert header == [c.format(target="50%") for c in COLUMNS]
+    rows = {
+        r.strip("|").split("|")[0].strip(): [c.strip() for c in r.strip("|").split("|")]
+        for r in table[2:]
+    }
+    assert set(rows) == set(MODES)
+    for name, cells in rows.items():
+        assert len(cells) == len(COLUMNS) and all(cells), (name, cells)
+        assert "failed" not in cells, (name, cells)
+    for png in ("accuracy.png", "memory.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert matplotlib.image.imread(out / png).shape[0] > 100
+    # the table's numbers come from the raw records beside it
+    for name in ("ticktock", "allreduce"):
+        m = run_metrics(out / name, 0.5)
+        assert rows[name][1] == f"{m.samples_per_s:.0f}"
+        samples = sum(
+            r["samples"]
+            for p in (out / name / "records").glob("worker-*.jsonl")
+            for r in read_records(p)
+            if r["kind"] == "step"
+        )
+        assert samples == round(m.samples_per_s * m.train_seconds)
+    stale = rows["ticktock"][7]
+    assert "w0/0" in stale and "w0/1" in stale
+    assert rows["single"][5] == "1.00x"  # one wave is its own peak

@@ -1,0 +1,79 @@
+"""``wavelet tune`` on a tiny sweep: a complete table, a plot, and a consistent recommendation."""
+
+import subprocess
+
+import matplotlib.image
+import pytest
+from conftest import CHILD_ENV, wavelet_cmd
+
+from wavelet.common.metrics import RunMetrics
+from wavelet.scripts.tune import Setting, SettingResult, recommend, settings_for
+
+
+def test_settings_skip_policies_under_bulk_synchronous():
+    got = [(s.bound, s.policy) for s in settings_for([0, 2], ["apply", "drop"])]
+    assert got == [(0, "apply"), (2, "apply"), (2, "drop")]
+
+
+def _result(name, ttt, acc):
+    return SettingResult(
+        Setting(1, name), RunMetrics("x", time_to_target_s=ttt, final_accuracy=acc)
+    )
+
+
+def test_recommendation_prefers_time_to_target_then_final_accuracy():
+    best, second, why = recommend(
+        [_result("a", 3.0, 0.98), _result("b", 2.0, 0.97), _result("c", None, 0.99)]
+    )
+    assert best.setting.policy == "b" and second.setting.policy == "a"
+    assert "1.00s sooner" in why
+    best, second, why = recommend([_result("a", None, 0.90), _result("b", None, 0.95)])
+    assert best.setting.policy == "b" and "no setting reached" in why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tiny_sweep_produces_a_complete_report(tmp_path):
+    out = tmp_path / "tune"
+    done = subprocess.run(
+        wavelet_cmd(
+            "tune",
+            "--bounds",
+            "0,inf",
+            "--policies",
+            "apply,drop",
+            "--epochs",
+            "2",
+            "--set",
+            "slow_wave=1",
+            "--set",
+            "slow_factor=2",
+            "--target-acc",
+            "0.6",
+            "--out",
+            str(out),
+        ),
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=290,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    rows = [r for r in report.splitlines() if r.startswith("|")][2:]
+    assert [r.split("|")[1:3] for r in rows] == [
+        [" 0 ", " apply "],
+        [" inf ", " apply "],
+        [" inf ", " drop "],
+    ]
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert len(cells) == 9 and all(cells) and "failed" not in r
+    assert "wave 1 slowed 2x" in report
+    # the recommendation names the row with the best time to target
+    times = {" ".join(c.strip() for c in r.split("|")[1:3]): r.split("|")[4].strip() for r in rows}
+    reached = {k: float(v) for k, v in times.items() if v != "not reached"}
+    assert reached, times
+    best = min(reached, key=reached.get)
+    assert f"Recommended: **s={best}**" in report
+    assert matplotlib.image.imread(out / "accuracy.png").shape[0] > 100
