@@ -183,6 +183,7 @@ class WorkerConfig:
     threads: int = 0  # torch intra-op threads for this process; 0 picks cores / processes
     run_dir: str = "runs/latest"
     mode: str = "ps"  # ps: waves through the shards; allreduce: one DDP rank
+    device_index: int = -1  # which physical device this is, for memory reports (-1: rank)
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, MODES)
@@ -198,6 +199,8 @@ class WorkerConfig:
         if not 0 <= self.rank < self.num_workers:
             raise ConfigError(f"rank {self.rank} is out of range for {self.num_workers} workers")
         _non_negative("threads", self.threads)
+        if self.device_index < 0:
+            self.device_index = self.rank
 
 
 @dataclass
@@ -210,7 +213,9 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     mode: str = "ps"  # ps | allreduce
     schedule: str = "ticktock"  # ps mode: ticktock (forwards take turns) | together
-    ranks_per_device: int = 1  # allreduce mode: 2 runs two DDP ranks on each device
+    # Worker processes (ps mode) or DDP ranks (allreduce mode) per device; 2 gives the
+    # "two tasks on one device" baselines.
+    processes_per_device: int = 1
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -219,7 +224,7 @@ class LaunchConfig:
             _check_device(d)
         _one_of("mode", self.mode, MODES)
         _one_of("schedule", self.schedule, SCHEDULES)
-        _one_of("ranks_per_device", self.ranks_per_device, (1, 2))
+        _one_of("processes_per_device", self.processes_per_device, (1, 2))
 
 
 MODES = ("ps", "allreduce")

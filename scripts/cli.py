@@ -117,7 +117,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         host=args.host,
         mode=args.mode,
         schedule=args.schedule,
-        ranks_per_device=args.ranks_per_device,
+        processes_per_device=args.processes_per_device,
     )
     return launch(config, quiet=args.quiet)
 
@@ -155,11 +155,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         threads=args.threads,
         run_dir=args.run_dir,
         mode=args.mode,
+        device_index=args.device_index,
     )
     if config.mode == "allreduce":
         from wavelet.worker.allreduce import AllReduceWorker
 
-        daemon = AllReduceWorker(config, ranks_per_device=args.ranks_per_device)
+        daemon = AllReduceWorker(config)
     else:
         from wavelet.worker.daemon import WorkerDaemon
 
@@ -255,10 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.distributed (gloo on CPU, NCCL on GPU), the baseline",
     )
     launch.add_argument(
-        "--ranks-per-device",
+        "--processes-per-device",
         type=int,
         default=1,
-        help="allreduce mode: 2 runs two ranks on each device",
+        help="worker processes (ps) or DDP ranks (allreduce) per device; 2 runs two tasks "
+        "on each device side by side, the baseline tick-tock is compared with",
     )
     launch.add_argument("--quiet", action="store_true", help="no progress lines")
     launch.set_defaults(run=_cmd_launch)
@@ -305,15 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="allreduce: one DDP rank, rendezvous from torchrun's env:// "
         "variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)",
     )
-    worker.add_argument("--ranks-per-device", type=int, default=1)
+    worker.add_argument(
+        "--device-index",
+        type=int,
+        default=-1,
+        help="physical device number for memory "
+        "reports, when several workers share a device (default: the rank)",
+    )
     worker.set_defaults(run=_cmd_worker)
 
     comp = sub.add_parser("compare", help="run one job in several modes and compare them")
     _add_job_flags(comp)
     comp.add_argument(
         "--modes",
-        default="ticktock,single,together,bsp,allreduce,allreduce2",
-        help="comma-separated, from ticktock, single, together, bsp, allreduce, "
+        default="ticktock,single,together,procs,bsp,allreduce,allreduce2",
+        help="comma-separated, from ticktock, single, together, procs, bsp, allreduce, "
         "allreduce2 (default: all)",
     )
     comp.add_argument("--devices", default="cpu")

@@ -18,7 +18,7 @@ from wavelet.common.metrics import RunMetrics, run_metrics
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time, memory_timelines
 
-# name -> (description, launch settings, job settings)
+# name -> (description, launch settings, job settings); each is the same job otherwise
 MODES: dict[str, tuple[str, dict, dict]] = {
     "ticktock": (
         "PS, 2 waves per device taking turns at forward",
@@ -31,6 +31,11 @@ MODES: dict[str, tuple[str, dict, dict]] = {
         {"schedule": "together"},
         {"waves": 2},
     ),
+    "procs": (
+        "PS, 2 worker processes per device, 1 wave each (waves as processes, no baton)",
+        {"schedule": "together", "processes_per_device": 2},
+        {"waves": 1},
+    ),
     "bsp": (
         "PS, 2 waves tick-tock, bulk-synchronous (s = 0)",
         {"schedule": "ticktock"},
@@ -38,12 +43,12 @@ MODES: dict[str, tuple[str, dict, dict]] = {
     ),
     "allreduce": (
         "all-reduce DDP, 1 rank per device (batch x 2)",
-        {"mode": "allreduce", "ranks_per_device": 1},
+        {"mode": "allreduce", "processes_per_device": 1},
         {"waves": 2},
     ),
     "allreduce2": (
         "all-reduce DDP, 2 ranks per device",
-        {"mode": "allreduce", "ranks_per_device": 2},
+        {"mode": "allreduce", "processes_per_device": 2},
         {"waves": 2},
     ),
 }

@@ -107,14 +107,14 @@ class Job:
 def launch(config: LaunchConfig, quiet: bool = False) -> int:
     """Run the job to the end; 0 on success, 1 if a child failed, 130 on Ctrl-C."""
     job_cfg = config.job
-    if config.mode == "allreduce" and config.ranks_per_device == 1:
-        # One rank does the work of a device's waves: same samples per step, same data split.
+    per_device = config.processes_per_device
+    if config.mode == "allreduce":
+        # One rank per device does the work of that device's waves (same samples per step, same
+        # data split); with two ranks per device, each rank is one wave.
         job_cfg = dataclasses.replace(
-            job_cfg, batch_size=job_cfg.batch_size * job_cfg.waves, waves=1
+            job_cfg, batch_size=job_cfg.batch_size * job_cfg.waves // per_device, waves=1
         )
-    tasks = len(config.devices) * (
-        job_cfg.waves if config.mode == "ps" else config.ranks_per_device
-    )
+    tasks = len(config.devices) * per_device * job_cfg.waves
     check_job(job_cfg, tasks)
     run_dir = Path(config.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if (run_dir / "records").exists() and any((run_dir / "records").iterdir()):
@@ -153,12 +153,12 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
 
 
 def describe(config: LaunchConfig, job: JobConfig) -> str:
+    processes = len(config.devices) * config.processes_per_device
     if config.mode == "allreduce":
-        ranks = len(config.devices) * config.ranks_per_device
-        how = f"all-reduce, {ranks} rank(s) on {len(config.devices)} device(s)"
+        how = f"all-reduce, {processes} rank(s) on {len(config.devices)} device(s)"
     else:
         how = (
-            f"{job.shards} shard(s), {len(config.devices)} worker(s) x {job.waves} wave(s) "
+            f"{job.shards} shard(s), {processes} worker(s) x {job.waves} wave(s) "
             f"({config.schedule}), staleness bound {job.staleness}"
         )
     return f"{how}, model {job.model} on {job.dataset}"
@@ -193,12 +193,23 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:
     return [_wait_ready(job, child, ready) for child, ready in shards]
 
 
+def _worker_processes(job: Job) -> list[tuple[int, str, int]]:
+    """(rank, device, device index) of every worker process, devices in order."""
+    per_device = job.config.processes_per_device
+    return [
+        (i * per_device + k, d, i)
+        for i, d in enumerate(job.config.devices)
+        for k in range(per_device)
+    ]
+
+
 def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Child]:
-    devices = job.config.devices
-    # A device's waves run concurrently in one process: size its pool for all of them.
-    threads = _threads_per_process(devices, job.config.job.waves)
+    cfg = job.config
+    processes = _worker_processes(job)
+    # A process's waves run concurrently: size its thread pool for all of them.
+    threads = _threads_per_process(cfg.devices, cfg.processes_per_device * cfg.job.waves)
     workers = []
-    for rank, device in enumerate(devices):
+    for rank, device, index in processes:
         args = [
             "worker",
             "--config",
@@ -207,14 +218,16 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
             device,
             "--rank",
             str(rank),
+            "--device-index",
+            str(index),
             "--num-workers",
-            str(len(devices)),
+            str(len(processes)),
             "--threads",
             str(threads),
             "--run-dir",
             str(job.run_dir),
             "--schedule",
-            job.config.schedule,
+            cfg.schedule,
         ]
         for a in addresses:
             args += ["--shard", a]
@@ -224,18 +237,15 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
 
 def _start_ranks(job: Job, job_file: Path) -> list[Child]:
     """DDP ranks with torchrun's environment variables (env:// rendezvous)."""
-    per_device = job.config.ranks_per_device
-    devices = job.config.devices
-    world = len(devices) * per_device
-    threads = _threads_per_process(devices, per_device)
+    processes = _worker_processes(job)
+    threads = _threads_per_process(job.config.devices, job.config.processes_per_device)
     env = {
         "MASTER_ADDR": job.config.host,
         "MASTER_PORT": str(_free_port(job.config.host)),
-        "WORLD_SIZE": str(world),
+        "WORLD_SIZE": str(len(processes)),
     }
     ranks = []
-    for rank in range(world):
-        device = devices[rank // per_device]
+    for rank, device, index in processes:
         args = [
             "worker",
             "--mode",
@@ -244,14 +254,14 @@ def _start_ranks(job: Job, job_file: Path) -> list[Child]:
             str(job_file),
             "--device",
             device,
-            "--ranks-per-device",
-            str(per_device),
+            "--device-index",
+            str(index),
             "--threads",
             str(threads),
             "--run-dir",
             str(job.run_dir),
         ]
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}  # all on this host
         ranks.append(job.spawn(f"worker-{rank}", args, rank_env))
     return ranks
 

@@ -33,7 +33,13 @@ def test_allreduce_mode_trains_digits_with_two_ranks(tmp_path):
     run_dir = tmp_path / "ar"
     done = subprocess.run(
         wavelet_cmd(
-            "launch", "--mode", "allreduce", "--ranks-per-device", "2", "--run-dir", str(run_dir)
+            "launch",
+            "--mode",
+            "allreduce",
+            "--processes-per-device",
+            "2",
+            "--run-dir",
+            str(run_dir),
         ),
         env=CHILD_ENV,
         capture_output=True,

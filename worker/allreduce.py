@@ -30,10 +30,9 @@ log = logging.getLogger("wavelet.worker")
 
 
 class AllReduceWorker:
-    """One rank of a DDP job; ``ranks_per_device`` ranks share a device (for the two-tasks-per-
-    device baseline), so rank r runs on device index r // ranks_per_device."""
+    """One rank of a DDP job (several ranks may share a device: ``config.device_index``)."""
 
-    def __init__(self, config: WorkerConfig, ranks_per_device: int = 1):
+    def __init__(self, config: WorkerConfig):
         missing = [
             v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if v not in os.environ
         ]
@@ -43,7 +42,6 @@ class AllReduceWorker:
                 "(torchrun and wavelet launch set them)"
             )
         self.config = config
-        self.ranks_per_device = ranks_per_device
         self.stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -86,7 +84,7 @@ class AllReduceWorker:
                 "batch_size": job.batch_size,
                 "wave": 0,
                 "device": str(device),
-                "device_index": rank // self.ranks_per_device,
+                "device_index": cfg.device_index,
                 "rank": rank,
                 "world_size": world,
             }

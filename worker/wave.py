@@ -122,7 +122,7 @@ class Wave:
                     "batch_size": job.batch_size,
                     "wave": ident.local,
                     "device": str(self.device),
-                    "device_index": self.config.rank,
+                    "device_index": self.config.device_index,
                 }
             )
             started = time.monotonic()
