@@ -110,6 +110,10 @@ class JobConfig:
     memory_trace_iters: int = 40  # iterations per wave whose saved-activation timeline is kept
     request_timeout_s: float = 300.0  # longest wait for a shard's reply, parking included
     baton_timeout_s: float = 30.0  # a wave stalled this long loses its turn to forward
+    # Workers heartbeat their live waves every heartbeat_s; a shard that hears nothing from a
+    # wave for wave_timeout_s drops it from the membership, so it no longer holds others back.
+    heartbeat_s: float = 1.0
+    wave_timeout_s: float = 30.0
     # The baton passes once the holder's backward has freed all but this fraction of its saved
     # activations; 1.0 passes it the moment the forward ends (see docs/design.md).
     baton_handoff: float = 0.3
@@ -125,7 +129,13 @@ class JobConfig:
             _non_negative(name, getattr(self, name))
         for name in ("max_seconds",):
             _non_negative(name, getattr(self, name))
-        for name in ("chunk_mib", "request_timeout_s", "baton_timeout_s"):
+        for name in (
+            "chunk_mib",
+            "request_timeout_s",
+            "baton_timeout_s",
+            "heartbeat_s",
+            "wave_timeout_s",
+        ):
             _positive(name, getattr(self, name))
         if not 0.0 <= self.baton_handoff <= 1.0:
             raise ConfigError(f"baton_handoff must be in [0, 1], got {self.baton_handoff!r}")
@@ -159,9 +169,28 @@ class PSConfig:
     ready_file: str = ""  # where to write the bound address once listening
     run_dir: str = ""  # per-push records and checkpoints go here (none if empty)
     threads: int = 1
+    # Limits, so that no client can exhaust the shard's memory: larger messages are dropped by
+    # ZeroMQ (the connection is closed), pulls parked beyond max_parked get an error reply.
+    max_message_mib: float = 1024.0
+    max_parked: int = 4096
+    # Checkpoints (into run_dir/checkpoints): every N updates and/or every S seconds (0: never),
+    # and always when the daemon stops. A restarted shard resumes from its last checkpoint.
+    checkpoint_every: int = 0
+    checkpoint_every_s: float = 0.0
+    # CURVE (common/security.py): this shard's secret key file and the folder of the public keys
+    # of the clients it accepts. Binding beyond loopback without them needs insecure = True.
+    curve_secret: str = ""
+    curve_authorized: str = ""
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         _non_negative("shard_index", self.shard_index)
+        if bool(self.curve_secret) != bool(self.curve_authorized):
+            raise ConfigError("CURVE needs both --curve-secret and --curve-authorized")
+        _positive("max_message_mib", self.max_message_mib)
+        _positive("max_parked", self.max_parked)
+        _non_negative("checkpoint_every", self.checkpoint_every)
+        _non_negative("checkpoint_every_s", self.checkpoint_every_s)
         if self.shard_index >= self.job.shards:
             raise ConfigError(
                 f"shard_index {self.shard_index} is out of range for {self.job.shards} shards"
@@ -184,6 +213,9 @@ class WorkerConfig:
     run_dir: str = "runs/latest"
     mode: str = "ps"  # ps: waves through the shards; allreduce: one DDP rank
     device_index: int = -1  # which physical device this is, for memory reports (-1: rank)
+    resume: bool = False  # go on from the clocks the shards restored from their checkpoints
+    curve_secret: str = ""  # CURVE: this worker's secret key file...
+    curve_server_key: str = ""  # ...and the shards' public key file
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, MODES)
@@ -201,6 +233,8 @@ class WorkerConfig:
         _non_negative("threads", self.threads)
         if self.device_index < 0:
             self.device_index = self.rank
+        if bool(self.curve_secret) != bool(self.curve_server_key):
+            raise ConfigError("CURVE needs both --curve-secret and --curve-server-key")
 
 
 @dataclass
@@ -211,6 +245,11 @@ class LaunchConfig:
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     run_dir: str = ""  # default: runs/<timestamp>
     host: str = "127.0.0.1"
+    curve: bool = False  # make CURVE keys for this job and use them between all its processes
+    insecure: bool = False  # allow a non-loopback host without CURVE
+    checkpoint_every: int = 0  # shards checkpoint every N updates (0: only when they stop)
+    checkpoint_every_s: float = 0.0
+    resume: bool = False  # run_dir holds a stopped job: restart it from its checkpoints
     mode: str = "ps"  # ps | allreduce
     schedule: str = "ticktock"  # ps mode: ticktock (forwards take turns) | together
     # Worker processes (ps mode) or DDP ranks (allreduce mode) per device; 2 gives the

@@ -32,6 +32,7 @@ class Op(enum.StrEnum):
     PUSH = "push"  # gradients (and buffers) computed from the version read
     PUSH_PULL = "push_pull"  # push, then pull for the next clock, in one round trip
     LEAVE = "leave"  # a wave is done; it stops counting towards the staleness bound
+    HEARTBEAT = "heartbeat"  # a worker's waves are alive (body.waves: their indices)
     STATS = "stats"  # versions, clocks, staleness histograms
     CHECKPOINT = "checkpoint"  # write a checkpoint now
     SHUTDOWN = "shutdown"  # stop the shard daemon
@@ -53,6 +54,7 @@ class ErrorCode(enum.StrEnum):
     FUTURE_VERSION = "future_version"
     STALE_CLOCK = "stale_clock"
     SHUTTING_DOWN = "shutting_down"
+    LIMIT = "limit"
     INTERNAL = "internal"
 
 
@@ -253,6 +255,7 @@ def send_message(
     tensors: Sequence[torch.Tensor] = (),
     prefix: Sequence[bytes] = (),
     track: bool = False,
+    flags_nonblocking: bool = False,
 ) -> zmq.MessageTracker | None:
     """Send one message, tensors zero-copy. ``prefix`` carries ROUTER routing frames.
 
@@ -262,7 +265,7 @@ def send_message(
     header_frame, *payload = encode(header, tensors)
     frames = [*prefix, header_frame]
     frames += [zmq.Frame(p, copy=False, track=track) for p in payload]
-    socket.send_multipart(frames, copy=False)
+    socket.send_multipart(frames, flags=zmq.NOBLOCK if flags_nonblocking else 0, copy=False)
     if track and payload:
         return zmq.MessageTracker(*frames[len(prefix) + 1 :])
     return None

@@ -29,6 +29,8 @@ from wavelet.common.protocol import (
     send_message,
 )
 from wavelet.common.records import RecordWriter
+from wavelet.common.security import ServerSecurity, check_bind
+from wavelet.ps.checkpoints import checkpoint_path, read_checkpoint, write_checkpoint
 from wavelet.ps.policy import make_policy
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats, wave_name
@@ -43,6 +45,7 @@ REQUEST_OPS = (
     Op.PUSH,
     Op.PUSH_PULL,
     Op.LEAVE,
+    Op.HEARTBEAT,
     Op.STATS,
     Op.CHECKPOINT,
     Op.SHUTDOWN,
@@ -86,9 +89,22 @@ class ShardServer:
             path = Path(config.run_dir) / "records" / f"ps-{config.shard_index}-pushes.jsonl"
             self.push_log = RecordWriter(path)
 
+        self._checkpointed = (0, time.monotonic())  # version and time of the last checkpoint
+        if config.run_dir:
+            self._restore()
+
         self.context = context or zmq.Context.instance()
+        check_bind(config.bind, secure=bool(config.curve_secret), insecure=config.insecure)
+        self.security = None
+        if config.curve_secret:
+            self.security = ServerSecurity(
+                self.context, config.curve_secret, config.curve_authorized
+            )
         self.socket = self.context.socket(zmq.ROUTER)
+        if self.security:
+            self.security.apply(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, int(config.max_message_mib * (1 << 20)))
         self.socket.bind(config.bind)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         if config.ready_file:
@@ -103,6 +119,7 @@ class ShardServer:
         poller.register(self.socket, zmq.POLLIN)
         try:
             while not self._stopping:
+                self._drop_silent_waves()
                 if poller.poll(poll_ms):
                     # Drain what is queued before polling again.
                     while not self._stopping:
@@ -117,13 +134,33 @@ class ShardServer:
     def stop(self) -> None:
         self._stopping = True
 
+    def _drop_silent_waves(self) -> None:
+        for wave in self.clocks.silent(self.config.job.wave_timeout_s):
+            log.warning(
+                "wave %s silent for over %.0fs: dropped from the membership so the "
+                "others go on; it rejoins when it comes back",
+                wave_name(wave),
+                self.config.job.wave_timeout_s,
+            )
+            self.clocks.leave(wave)
+            self.policy.forget(wave)
+        self._maybe_apply_sum()
+        self._release_parked()
+
     def close(self) -> None:
+        if self.config.run_dir and self.shard.initialized:
+            try:
+                self.write_checkpoint()
+            except OSError as e:
+                log.error("final checkpoint failed: %s", e)
         for p in self.parked:
             self._send_error(
                 p.identity, p.request_id, ErrorCode.SHUTTING_DOWN, "shard is shutting down"
             )
         self.parked.clear()
         self.socket.close(linger=500)
+        if self.security:
+            self.security.stop()
         if self.push_log:
             self.push_log.close()
         log.info("shard %d stopped at version %d", self.config.shard_index, self.shard.version)
@@ -154,6 +191,7 @@ class ShardServer:
         if reply is not None:
             self._send(identity, *reply)
         self._release_parked()
+        self._maybe_checkpoint()
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -161,11 +199,30 @@ class ShardServer:
         wave = self._wave_of(h)
         if self.shard.initialized:
             self.shard.check_plan(h.plan)
-        clock = max(h.clock, 0)
+        if h.body.get("resume") is True and wave in self.clocks.clocks:
+            clock = self.clocks.clocks[wave]  # a resumed job goes on where it stopped
+        elif h.body.get("exact") is True:
+            clock = max(h.clock, 0)  # a wave re-joining at the clock it has on other shards
+        else:
+            # A wave that (re)joins a running job starts at the slowest live wave's clock, so
+            # it does not hold the others back under the staleness bound.
+            others = [
+                c for w, c in self.clocks.clocks.items() if w in self.clocks.live and w != wave
+            ]
+            clock = max(h.clock, min(others, default=0), 0)
         self.clocks.join(wave, clock)
         self.stats.setdefault(wave, WaveStats())
         log.info("wave %s joined at clock %d", wave_name(wave), clock)
-        return self._ok(h, clock=clock)
+        return self._ok(h, clock=clock, initialized=self.shard.initialized)
+
+    def rpc_heartbeat(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
+        waves = h.body.get("waves")
+        if not isinstance(waves, list) or not all(isinstance(w, int) for w in waves):
+            raise ProtocolError(ErrorCode.MALFORMED, "heartbeat needs body.waves: wave indices")
+        for index in waves:
+            if (h.worker, index) in self.clocks.live:
+                self.clocks.seen((h.worker, index))
+        return self._ok(h)
 
     def rpc_init(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
         trainable = h.body.get("trainable")
@@ -180,6 +237,7 @@ class ShardServer:
             self.shard.check_plan(h.plan)
             return self._weights(h.request_id, None, h.clock, parked_s=0.0)
         wave = self._registered(h)
+        self._check_park_room()
         return self._pull_or_park(identity, h.request_id, wave, h.clock)
 
     def rpc_push(self, identity: bytes, h: Header, tensors: list[torch.Tensor]) -> Reply:
@@ -189,6 +247,7 @@ class ShardServer:
     def rpc_push_pull(
         self, identity: bytes, h: Header, tensors: list[torch.Tensor]
     ) -> Reply | None:
+        self._check_park_room()  # before the push: a refused request must change nothing
         wave, action = self._push(h, tensors)
         return self._pull_or_park(identity, h.request_id, wave, self.clocks.clocks[wave], action)
 
@@ -324,6 +383,14 @@ class ShardServer:
         self.stats[wave].parked += 1
         return None
 
+    def _check_park_room(self) -> None:
+        if len(self.parked) >= self.config.max_parked:
+            raise ProtocolError(
+                ErrorCode.LIMIT,
+                f"{len(self.parked)} pulls are parked already, "
+                "the most this shard holds (max_parked)",
+            )
+
     def _may_read(self, clock: int) -> bool:
         if not self.shard.initialized:
             return False
@@ -380,6 +447,8 @@ class ShardServer:
                 ErrorCode.NOT_REGISTERED,
                 f"wave {wave_name(wave)} has not registered with this shard",
             )
+        if wave in self.clocks.live:
+            self.clocks.seen(wave)  # any request is a sign of life
         return wave
 
     def _ok(self, h: Header, **body) -> Reply:
@@ -422,20 +491,44 @@ class ShardServer:
         send_message(self.socket, error_header(request_id, code, message), prefix=[identity])
 
     def write_checkpoint(self) -> Path:
-        """Parameters, optimizer state, version and clocks, written atomically."""
+        """Parameters, optimizer state, version and clocks (an open bulk-synchronous sum is not
+        an applied update and is not saved)."""
         if not self.config.run_dir:
             raise ProtocolError(ErrorCode.MALFORMED, "this shard was started without a run dir")
-        path = Path(self.config.run_dir) / "checkpoints" / f"shard-{self.config.shard_index}.pt"
+        if not self.shard.initialized:
+            raise ProtocolError(ErrorCode.NOT_INITIALIZED, "nothing to checkpoint yet")
+        self._wait_sends()
         state = self.shard.state_dict()
-        state["clocks"] = {wave_name(w): c for w, c in self.clocks.clocks.items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        state["clocks"] = [[w[0], w[1], c] for w, c in self.clocks.clocks.items()]
+        path = checkpoint_path(self.config.run_dir, self.config.shard_index)
+        write_checkpoint(path, state)
+        self._checkpointed = (self.shard.version, time.monotonic())
         return path
+
+    def _maybe_checkpoint(self) -> None:
+        cfg = self.config
+        if not (cfg.run_dir and self.shard.initialized):
+            return
+        version, when = self._checkpointed
+        due_updates = cfg.checkpoint_every and self.shard.version - version >= cfg.checkpoint_every
+        due_time = cfg.checkpoint_every_s and time.monotonic() - when >= cfg.checkpoint_every_s
+        if (due_updates or due_time) and self.shard.version != version:
+            self.write_checkpoint()
+
+    def _restore(self) -> None:
+        state = read_checkpoint(checkpoint_path(self.config.run_dir, self.config.shard_index))
+        if state is None:
+            return
+        self.shard.load_state_dict(state)
+        for worker, wave, clock in state["clocks"]:
+            self.clocks.join((worker, wave), clock)
+            self.stats.setdefault((worker, wave), WaveStats())
+        self._checkpointed = (self.shard.version, time.monotonic())
+        log.warning(
+            "shard %d restored version %d from its checkpoint",
+            self.config.shard_index,
+            self.shard.version,
+        )
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -175,6 +175,14 @@ class Shard:
             return stacked.mean(0)
         return stacked.max(0).values
 
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved (a restarted shard resuming from its checkpoint)."""
+        self.initialize(state["plan"], state["keys"], state["values"], state["trainable"])
+        self.version = state["version"]
+        if state["optimizer"] is not None:
+            assert self.optimizer is not None
+            self.optimizer.load_state_dict(state["optimizer"])
+
     def state_dict(self) -> dict:
         return {
             "plan": self.plan,

@@ -8,6 +8,7 @@ may read only when every live wave has reached clock ``c - s`` (stale synchronou
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,10 +26,20 @@ class ClockTable:
     def __init__(self) -> None:
         self.clocks: dict[WaveId, int] = {}
         self.live: set[WaveId] = set()
+        self.last_seen: dict[WaveId, float] = {}
 
     def join(self, wave: WaveId, clock: int) -> None:
         self.clocks[wave] = clock
         self.live.add(wave)
+        self.seen(wave)
+
+    def seen(self, wave: WaveId) -> None:
+        self.last_seen[wave] = time.monotonic()
+
+    def silent(self, timeout_s: float) -> list[WaveId]:
+        """Live waves not heard from for ``timeout_s``."""
+        now = time.monotonic()
+        return [w for w in self.live if now - self.last_seen.get(w, now) > timeout_s]
 
     def leave(self, wave: WaveId) -> None:
         self.live.discard(wave)

@@ -110,6 +110,8 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
 def _cmd_launch(args: argparse.Namespace) -> int:
     from wavelet.scripts.launch import launch
 
+    if args.resume:
+        return launch(_resumed(args.resume), quiet=args.quiet)
     config = LaunchConfig(
         job=job_from_args(args),
         devices=args.devices.split(","),
@@ -118,8 +120,23 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         mode=args.mode,
         schedule=args.schedule,
         processes_per_device=args.processes_per_device,
+        curve=args.curve,
+        insecure=args.insecure,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_every_s=args.checkpoint_every_s,
     )
     return launch(config, quiet=args.quiet)
+
+
+def _resumed(run_dir: str) -> LaunchConfig:
+    """The launch settings and job a run dir was started with, to resume it."""
+    try:
+        job = json.loads((Path(run_dir) / "job.json").read_text())
+        settings = json.loads((Path(run_dir) / "launch.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{run_dir} is not a run dir wavelet launch can resume: {e}") from None
+    settings.update(resume=True, run_dir=run_dir)
+    return from_dict(LaunchConfig, {**settings, "job": job})
 
 
 def _cmd_ps(args: argparse.Namespace) -> int:
@@ -132,6 +149,13 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         expect_waves=args.expect_waves,
         ready_file=args.ready_file or "",
         run_dir=args.run_dir or "",
+        max_message_mib=args.max_message_mib,
+        max_parked=args.max_parked,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_every_s=args.checkpoint_every_s,
+        curve_secret=args.curve_secret,
+        curve_authorized=args.curve_authorized,
+        insecure=args.insecure,
     )
     import torch
 
@@ -156,6 +180,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         mode=args.mode,
         device_index=args.device_index,
+        curve_secret=args.curve_secret,
+        curve_server_key=args.curve_server_key,
+        resume=args.resume,
     )
     if config.mode == "allreduce":
         from wavelet.worker.allreduce import AllReduceWorker
@@ -208,9 +235,20 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    from wavelet.common.security import ClientKeys
     from wavelet.scripts.stats import print_stats
 
-    return print_stats(args.addresses, timeout_s=args.timeout)
+    keys = ClientKeys.load(args.curve_secret, args.curve_server_key) if args.curve_secret else None
+    return print_stats(args.addresses, timeout_s=args.timeout, keys=keys)
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from wavelet.common.security import generate_keys
+
+    for name in args.names:
+        public, secret = generate_keys(args.out, name)
+        print(f"{name}: public {public}, secret {secret}")
+    return 0
 
 
 def _on_signals(stop: Callable[[], None]) -> None:
@@ -220,6 +258,32 @@ def _on_signals(stop: Callable[[], None]) -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+
+def _add_client_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--curve-secret", default="", metavar="FILE", help="CURVE: this client's .key_secret file"
+    )
+    p.add_argument(
+        "--curve-server-key", default="", metavar="FILE", help="CURVE: the shards' public .key file"
+    )
+
+
+def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="shards checkpoint every N updates (0: only when they stop)",
+    )
+    p.add_argument(
+        "--checkpoint-every-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="shards checkpoint every S seconds (0: only when they stop)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,6 +326,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker processes (ps) or DDP ranks (allreduce) per device; 2 runs two tasks "
         "on each device side by side, the baseline tick-tock is compared with",
     )
+    launch.add_argument(
+        "--curve",
+        action="store_true",
+        help="make CURVE keys (in the run dir) and encrypt and authenticate all "
+        "of the job's traffic with them",
+    )
+    launch.add_argument(
+        "--insecure", action="store_true", help="allow a non-loopback --host without --curve"
+    )
+    _add_checkpoint_flags(launch)
+    launch.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="restart a stopped job from its run dir: shards restore their checkpoints, "
+        "waves go on from their clocks (other flags are ignored)",
+    )
     launch.add_argument("--quiet", action="store_true", help="no progress lines")
     launch.set_defaults(run=_cmd_launch)
 
@@ -280,7 +360,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="hold first pulls until this many waves registered (0: no barrier)",
     )
     ps.add_argument("--ready-file", help="write the bound address here once listening")
-    ps.add_argument("--run-dir", help="per-push records and checkpoints go here")
+    ps.add_argument(
+        "--run-dir",
+        help="per-push records and checkpoints go here; a shard "
+        "restarted with the same run dir resumes from its last checkpoint",
+    )
+    _add_checkpoint_flags(ps)
+    ps.add_argument(
+        "--max-message-mib",
+        type=float,
+        default=1024.0,
+        help="larger messages are dropped (default 1024)",
+    )
+    ps.add_argument(
+        "--curve-secret",
+        default="",
+        metavar="FILE",
+        help="CURVE: this shard's .key_secret file (see wavelet keys)",
+    )
+    ps.add_argument(
+        "--curve-authorized",
+        default="",
+        metavar="DIR",
+        help="CURVE: folder of the public .key files of the clients to accept",
+    )
+    ps.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow binding beyond loopback without CURVE (traffic in the clear)",
+    )
+    ps.add_argument(
+        "--max-parked",
+        type=int,
+        default=4096,
+        help="pulls held back by the staleness bound at once, at most (default 4096)",
+    )
     ps.set_defaults(run=_cmd_ps)
 
     worker = sub.add_parser("worker", help="run the waves of one device")
@@ -306,6 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="ps",
         help="allreduce: one DDP rank, rendezvous from torchrun's env:// "
         "variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)",
+    )
+    _add_client_key_flags(worker)
+    worker.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the clocks the shards restored from checkpoints",
     )
     worker.add_argument(
         "--device-index",
@@ -348,7 +468,13 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="print live shards' versions, clocks and staleness")
     stats.add_argument("addresses", nargs="+", metavar="ADDRESS")
     stats.add_argument("--timeout", type=float, default=5.0)
+    _add_client_key_flags(stats)
     stats.set_defaults(run=_cmd_stats)
+
+    keys = sub.add_parser("keys", help="make CURVE key pairs (NAME.key, NAME.key_secret)")
+    keys.add_argument("names", nargs="+", metavar="NAME", help="e.g. server worker0 worker1")
+    keys.add_argument("--out", default="keys", help="folder for the key files (default keys/)")
+    keys.set_defaults(run=_cmd_keys)
     return p
 
 

@@ -24,6 +24,7 @@ from wavelet.common.config import ConfigError, JobConfig, LaunchConfig, to_dict
 from wavelet.common.job import check_job
 from wavelet.common.protocol import Op, RemoteError
 from wavelet.common.records import read_records
+from wavelet.common.security import JobKeys, check_bind
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
 from wavelet.worker.client import ShardTimeout, call_shard
 from wavelet.worker.evaluate import evaluate_shards
@@ -65,6 +66,7 @@ def _die_with_parent() -> None:
 class Job:
     config: LaunchConfig
     run_dir: Path
+    keys: JobKeys | None = None
     children: list[Child] = field(default_factory=list)
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
@@ -108,6 +110,8 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
     """Run the job to the end; 0 on success, 1 if a child failed, 130 on Ctrl-C."""
     job_cfg = config.job
     per_device = config.processes_per_device
+    if config.mode == "ps":  # refuse an unencrypted job reachable from other machines, early
+        check_bind(f"tcp://{config.host}:0", secure=config.curve, insecure=config.insecure)
     if config.mode == "allreduce":
         # One rank per device does the work of that device's waves (same samples per step, same
         # data split); with two ranks per device, each rank is one wave.
@@ -117,12 +121,26 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
     tasks = len(config.devices) * per_device * job_cfg.waves
     check_job(job_cfg, tasks)
     run_dir = Path(config.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    if (run_dir / "records").exists() and any((run_dir / "records").iterdir()):
-        raise ConfigError(f"run dir {run_dir} already holds a run; choose another --run-dir")
+    if config.resume:
+        if not (run_dir / "checkpoints").is_dir():
+            raise ConfigError(f"{run_dir} holds no checkpoints to resume from")
+    elif (run_dir / "records").exists() and any((run_dir / "records").iterdir()):
+        raise ConfigError(
+            f"run dir {run_dir} already holds a run; choose another --run-dir, or --resume it"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir / "job.json"
-    job_file.write_text(json.dumps(to_dict(job_cfg), indent=2, default=str))
+    if not config.resume:
+        job_file.write_text(json.dumps(to_dict(job_cfg), indent=2, default=str))
+        launch_record = {k: v for k, v in to_dict(config).items() if k != "job"}
+        (run_dir / "launch.json").write_text(json.dumps(launch_record, indent=2))
     job = Job(config, run_dir)
+    if config.curve and config.mode == "ps":
+        clients = ["launcher"] + [f"worker-{r}" for r, _, _ in _worker_processes(job)]
+        if config.resume and (run_dir / "keys").is_dir():
+            job.keys = JobKeys(run_dir / "keys")
+        else:
+            job.keys = JobKeys.create(run_dir / "keys", clients)
     started = time.monotonic()
     try:
         if config.mode == "ps":
@@ -132,7 +150,7 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
             addresses = []
             workers = _start_ranks(job, job_file)
         _say(quiet, f"run dir {run_dir}: {describe(config, job_cfg)}")
-        progress = Progress(run_dir, job_cfg.epochs)
+        progress = Progress(run_dir, job_cfg.epochs, since=time.time())
         while any(w.proc.poll() is None for w in workers):
             job.check(allow_exit=tuple(workers))
             time.sleep(0.25)
@@ -188,7 +206,20 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:
             str(ready),
             "--run-dir",
             str(job.run_dir),
+            "--checkpoint-every",
+            str(job.config.checkpoint_every),
+            "--checkpoint-every-s",
+            str(job.config.checkpoint_every_s),
         ]
+        if job.keys:
+            args += [
+                "--curve-secret",
+                str(job.keys.server_secret),
+                "--curve-authorized",
+                str(job.keys.authorized),
+            ]
+        if job.config.insecure:
+            args.append("--insecure")
         shards.append((job.spawn(f"ps-{i}", args), ready))
     return [_wait_ready(job, child, ready) for child, ready in shards]
 
@@ -231,6 +262,15 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
         ]
         for a in addresses:
             args += ["--shard", a]
+        if job.config.resume:
+            args.append("--resume")
+        if job.keys:
+            args += [
+                "--curve-secret",
+                str(job.keys.client_secret(f"worker-{rank}")),
+                "--curve-server-key",
+                str(job.keys.server_public),
+            ]
         workers.append(job.spawn(f"worker-{rank}", args))
     return workers
 
@@ -285,10 +325,11 @@ def _wait_ready(job: Job, child: Child, ready: Path) -> str:
 def _finish(job: Job, job_cfg: JobConfig, addresses: list[str], progress: Progress) -> dict:
     progress.read()
     if addresses:
-        accuracy = evaluate_shards(addresses, job_cfg)
-        stats = merge_wave_stats(fetch_stats(addresses))
+        keys = job.keys.client("launcher") if job.keys else None
+        accuracy = evaluate_shards(addresses, job_cfg, keys=keys)
+        stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
         for a in addresses:
-            call_shard(a, Op.SHUTDOWN)
+            call_shard(a, Op.SHUTDOWN, keys=keys)
     else:
         accuracy = progress.final_accuracy
         stats = {}
@@ -324,8 +365,9 @@ def format_summary(s: dict) -> str:
 class Progress:
     """Reads the workers' records as they grow and summarises them in one line."""
 
-    def __init__(self, run_dir: Path, epochs: int, every_s: float = 2.0):
+    def __init__(self, run_dir: Path, epochs: int, every_s: float = 2.0, since: float = 0.0):
         self.dir = run_dir / "records"
+        self.since = since  # records from before (a resumed run's first part) do not count
         self.epochs = epochs
         self.every_s = every_s
         self._offsets: dict[Path, int] = {}
@@ -356,6 +398,8 @@ class Progress:
                     self._take(path.stem, json.loads(line))
 
     def _take(self, wave: str, r: dict) -> None:
+        if r.get("t", self.since) < self.since:
+            return
         if r["kind"] == "start":
             self.first_t = r["t"] if self.first_t is None else min(self.first_t, r["t"])
         elif r["kind"] == "step":

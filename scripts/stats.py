@@ -8,8 +8,8 @@ from wavelet.common.protocol import Op, RemoteError
 from wavelet.worker.client import ShardTimeout, call_shard
 
 
-def fetch_stats(addresses: list[str], timeout_s: float = 5.0) -> list[dict]:
-    return [call_shard(a, Op.STATS, timeout_s).body for a in addresses]
+def fetch_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> list[dict]:
+    return [call_shard(a, Op.STATS, timeout_s, keys=keys).body for a in addresses]
 
 
 def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
@@ -72,9 +72,9 @@ def format_wave_table(waves: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def print_stats(addresses: list[str], timeout_s: float = 5.0) -> int:
+def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
     try:
-        shards = fetch_stats(addresses, timeout_s)
+        shards = fetch_stats(addresses, timeout_s, keys)
     except (ShardTimeout, RemoteError) as e:
         print(f"wavelet stats: {e}", file=sys.stderr)
         return 1

@@ -8,15 +8,21 @@ and every wait has a deadline and notices a stop request.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from wavelet.common.protocol import Header, Op, RemoteError, decode, send_message
+from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import Chunk, ShardingPlan, chunk_view
+
+log = logging.getLogger("wavelet.worker")
 
 
 class StopRequested(Exception):
@@ -48,6 +54,7 @@ class PSClient:
         timeout_s: float = 300.0,
         stop: threading.Event | None = None,
         context: zmq.Context | None = None,
+        keys: ClientKeys | None = None,
     ):
         if len(addresses) != plan.num_shards:
             raise ValueError(f"{len(addresses)} addresses for a plan of {plan.num_shards} shards")
@@ -66,21 +73,45 @@ class PSClient:
         for a in addresses:
             s = context.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            # Reconnect to a restarted shard with backoff: 0.1 s, doubling up to 5 s.
+            s.setsockopt(zmq.RECONNECT_IVL, 100)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+            s.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # never block forever on send
+            if keys is not None:
+                keys.apply(s)
             s.connect(a)
             self.sockets.append(s)
         self.poller = zmq.Poller()
         for s in self.sockets:
             self.poller.register(s, zmq.POLLIN)
+        # Connection events tell a shard restart apart from a pull parked by the bound.
+        self.monitors = [
+            s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            for s in self.sockets
+        ]
+        for m in self.monitors:
+            self.poller.register(m, zmq.POLLIN)
+        self._socket_index = {s: i for i, s in enumerate(self.sockets)}
+        self._monitor_index = {m: i for i, m in enumerate(self.monitors)}
+        self._down = [False] * len(self.sockets)
+        self._restarted = [False] * len(self.sockets)
+        self.last_versions = [0] * len(self.sockets)  # newest version seen from each shard
+        self.lost_updates = 0
 
     # --- operations ---------------------------------------------------------------------------
 
-    def register(self, clock: int = 0) -> list[int]:
-        """Join every shard's membership at ``clock``; seeds uninitialised shards with our weights.
-
-        Returns the clock each shard recorded."""
-        replies = self._all(Op.REGISTER, clock=clock)
+    def register(self, clock: int = 0, resume: bool = False) -> list[int]:
+        """Join every shard's membership at ``clock`` (``resume``: at the clock the shard kept
+        for us); seeds uninitialised shards with our weights. Returns each shard's clock for us."""
+        replies = self._all(Op.REGISTER, clock=clock, body={"resume": resume})
+        clocks = [h.body["clock"] for h, _ in replies]
+        if len(set(clocks)) > 1:
+            # Shards placed us at different clocks (others pushed in between): take the newest
+            # everywhere, or a pull would wait on this wave's own older clock forever.
+            replies = self._all(Op.REGISTER, clock=max(clocks), body={"exact": True})
+            clocks = [h.body["clock"] for h, _ in replies]
         self.init()
-        return [h.body["clock"] for h, _ in replies]
+        return clocks
 
     def init(self) -> None:
         messages = []
@@ -95,8 +126,12 @@ class PSClient:
 
     def pull(self, clock: int, observer: bool = False) -> PullResult:
         """Read every shard's weights into our tensors (may wait for the staleness bound)."""
-        replies = self._all(Op.PULL, clock=clock, body={"observer": True} if observer else {})
-        return self._load(replies)
+        messages = [
+            (self._header(Op.PULL, clock=clock, body={"observer": True} if observer else {}), [])
+            for _ in self.sockets
+        ]
+        recover = None if observer else (lambda i: self._recover(i, clock))
+        return self._load(self._exchange(messages, recover))
 
     def push_pull(self, clock: int, read_versions: list[int], lr_scale: float = 1.0) -> PullResult:
         """Push our gradients (and buffers) for ``clock``, then read weights for ``clock + 1``.
@@ -112,7 +147,7 @@ class PSClient:
                 body={"lr_scale": lr_scale},
             )
             messages.append((h, [self._push_tensor(c) for c in chunks]))
-        return self._load(self._exchange(messages))
+        return self._load(self._exchange(messages, lambda i: self._recover(i, clock + 1)))
 
     @property
     def round_trip_bytes(self) -> int:
@@ -126,7 +161,9 @@ class PSClient:
         return [h.body for h, _ in self._all(Op.STATS)]
 
     def close(self) -> None:
-        for s in self.sockets:
+        for s, m in zip(self.sockets, self.monitors, strict=True):
+            s.disable_monitor()
+            m.close(linger=0)
             s.close(linger=0)
 
     # --- moving tensors -----------------------------------------------------------------------
@@ -157,8 +194,10 @@ class PSClient:
             for chunks, (_, tensors) in zip(self.chunks, replies, strict=True):
                 for c, value in zip(chunks, tensors, strict=True):
                     chunk_view(self.tensors[c.name].data, c).copy_(value)
+        versions = [h.body["version"] for h, _ in replies]
+        self.last_versions = [max(a, b) for a, b in zip(self.last_versions, versions, strict=True)]
         return PullResult(
-            versions=[h.body["version"] for h, _ in replies],
+            versions=versions,
             parked_s=max(h.body.get("parked_s", 0.0) for h, _ in replies),
             dropped=sum(h.body.get("action") == "dropped" for h, _ in replies),
             slowest_clock=[h.body.get("slowest_clock", -1) for h, _ in replies],
@@ -175,15 +214,23 @@ class PSClient:
         return self._exchange([(self._header(op, **fields), []) for _ in self.sockets])
 
     def _exchange(
-        self, messages: list[tuple[Header, list[torch.Tensor]]]
+        self,
+        messages: list[tuple[Header, list[torch.Tensor]]],
+        recover: Callable[[int], tuple[Header, list[torch.Tensor]]] | None = None,
     ) -> list[tuple[Header, list[torch.Tensor]]]:
-        """Send message i to shard i, then gather every reply (or raise on the first error)."""
+        """Send message i to shard i, then gather every reply (or raise on the first error).
+
+        With ``recover``, a shard that restarted (its connection dropped and came back) is not
+        waited for: ``recover(i)`` re-joins it and its result stands in for shard i's reply."""
+        self._watch_connections(block_ms=0)
         rid = next(self._ids)
-        for sock, (h, tensors) in zip(self.sockets, messages, strict=True):
-            h.request_id = rid
-            send_message(sock, h, tensors)
         replies: list = [None] * len(self.sockets)
-        index = {s: i for i, s in enumerate(self.sockets)}
+        for i, (h, tensors) in enumerate(messages):
+            if recover is not None and self._restarted[i]:
+                replies[i] = self._rejoin(i, recover)
+                continue
+            h.request_id = rid
+            self._send(i, h, tensors)
         deadline = time.monotonic() + self.timeout_s
         while any(r is None for r in replies):
             if self.stop.is_set():
@@ -196,28 +243,141 @@ class PSClient:
                     "check that `wavelet ps` runs there and the address is right"
                 )
             for sock, _ in self.poller.poll(min(left, 0.2) * 1000):
+                if sock in self._monitor_index:
+                    self._on_monitor_event(sock)
+                    continue
                 h, tensors = decode(sock.recv_multipart(copy=False))
-                if h.request_id != rid:
-                    continue  # a late answer to a request we already gave up on
-                i = index[sock]
+                i = self._socket_index[sock]
+                if h.request_id != rid or replies[i] is not None:
+                    continue  # a late answer to a request we gave up on or recovered from
                 if h.op == Op.ERROR:
+                    if recover is not None and h.body.get("code") == "not_registered":
+                        # dropped from the membership (silent too long): join again
+                        replies[i] = self._rejoin(i, recover)
+                        continue
                     raise RemoteError(
                         h.body.get("code", "?"), h.body.get("message", ""), self.addresses[i]
                     )
                 replies[i] = (h, tensors)
+            if recover is not None:
+                for i, r in enumerate(replies):
+                    if r is None and self._restarted[i]:
+                        replies[i] = self._rejoin(i, recover)
         return replies
+
+    # --- shard restarts -----------------------------------------------------------------------
+
+    def _send(self, i: int, header: Header, tensors: list[torch.Tensor]) -> None:
+        try:
+            send_message(self.sockets[i], header, tensors)
+        except zmq.Again:  # no connection to queue on within SNDTIMEO
+            raise ShardTimeout(
+                f"could not send to shard {self.addresses[i]} within {self.timeout_s:.0f}s; "
+                "check that `wavelet ps` runs there, the address and, with CURVE, the keys"
+            ) from None
+
+    def _watch_connections(self, block_ms: int) -> None:
+        for mon in self.monitors:
+            while mon.poll(block_ms):
+                self._on_monitor_event(mon)
+
+    def _on_monitor_event(self, mon: zmq.Socket) -> None:
+        i = self._monitor_index[mon]
+        event = recv_monitor_message(mon)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self._down[i] = True
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._down[i]:
+            # The shard is back; it may have restarted from an older checkpoint.
+            self._down[i] = False
+            self._restarted[i] = True
+
+    def _rejoin(self, i: int, recover) -> tuple[Header, list[torch.Tensor]]:
+        self._restarted[i] = False
+        log.warning(
+            "shard %s reconnected: wave %s/%d registers again",
+            self.addresses[i],
+            self.worker,
+            self.wave,
+        )
+        return recover(i)
+
+    def _recover(self, i: int, clock: int) -> tuple[Header, list[torch.Tensor]]:
+        """Register with shard ``i`` again at ``clock`` (seeding it if it came back empty) and
+        pull its weights; counts the updates it lost (versions we saw that it no longer has)."""
+        h = self._request_one(i, self._header(Op.REGISTER, clock=clock, body={"exact": True}))
+        restored = h.body["version"]
+        lost = max(0, self.last_versions[i] - restored)
+        self.lost_updates += lost
+        if lost:
+            log.warning(
+                "shard %s lost %d update(s) (back at version %d)", self.addresses[i], lost, restored
+            )
+        if not h.body.get("initialized", True):
+            chunks = self.chunks[i]
+            init = self._header(
+                Op.INIT,
+                keys=[c.key for c in chunks],
+                body={"trainable": [c.trainable for c in chunks]},
+            )
+            self._request_one(i, init, [self._host(self.tensors[c.name], c) for c in chunks])
+        return self._request_one_reply(i, self._header(Op.PULL, clock=clock))
+
+    def _request_one(self, i: int, header: Header, tensors=()) -> Header:
+        return self._request_one_reply(i, header, tensors)[0]
+
+    def _request_one_reply(self, i: int, header: Header, tensors=()):
+        header.request_id = rid = next(self._ids)
+        sock = self.sockets[i]
+        self._send(i, header, list(tensors))
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.stop.is_set():
+                raise StopRequested()
+            if sock.poll(200):
+                h, out = decode(sock.recv_multipart(copy=False))
+                if h.request_id != rid:
+                    continue
+                if h.op == Op.ERROR:
+                    raise RemoteError(
+                        h.body.get("code", "?"), h.body.get("message", ""), self.addresses[i]
+                    )
+                return h, out
+        raise ShardTimeout(
+            f"shard {self.addresses[i]} did not answer {header.op} within "
+            f"{self.timeout_s:.0f}s after reconnecting"
+        )
+
+
+def client_keys(config) -> ClientKeys | None:
+    """The CURVE keys a WorkerConfig names, if any."""
+    if not getattr(config, "curve_secret", ""):
+        return None
+    return ClientKeys.load(config.curve_secret, config.curve_server_key)
 
 
 def call_shard(
-    address: str, op: Op, timeout_s: float = 5.0, context: zmq.Context | None = None, **fields
+    address: str,
+    op: Op,
+    timeout_s: float = 5.0,
+    context: zmq.Context | None = None,
+    keys: ClientKeys | None = None,
+    **fields,
 ) -> Header:
     """One request to one shard outside any wave (stats, shutdown, checkpoint); raises on error."""
     context = context or zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    if keys is not None:
+        keys.apply(sock)
     try:
         sock.connect(address)
-        send_message(sock, Header(op=op, request_id=1, **fields))
+        try:
+            send_message(sock, Header(op=op, request_id=1, **fields))
+        except zmq.Again:
+            raise ShardTimeout(
+                f"could not send {op} to shard {address} within {timeout_s:.0f}s"
+            ) from None
         if not sock.poll(timeout_s * 1000):
             raise ShardTimeout(f"shard {address} did not answer {op} within {timeout_s:.0f}s")
         h, _ = decode(sock.recv_multipart(copy=False))

@@ -18,6 +18,8 @@ import zmq
 from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import build_dataset
 from wavelet.worker.baton import ForwardBaton, NoBaton
+from wavelet.worker.client import client_keys
+from wavelet.worker.heartbeat import Heartbeat
 from wavelet.worker.wave import Wave, WaveIdentity
 
 log = logging.getLogger("wavelet.worker")
@@ -72,12 +74,23 @@ class WorkerDaemon:
         ]
         for r in runners:
             r.start()
+        heartbeat = Heartbeat(
+            cfg.shard_addresses,
+            f"w{cfg.rank}",
+            lambda: [i for i, r in enumerate(runners) if r.is_alive()],
+            job.heartbeat_s,
+            context,
+            client_keys(cfg),
+        )
+        heartbeat.start()
         try:
             # A wave that fails leaves the baton, and the others go on alone (DESIGN.md).
             for r in runners:
                 while r.is_alive():
                     r.join(0.2)
         finally:
+            heartbeat.stop()
+            heartbeat.join(5.0)
             self.stop_event.set()
             for r in runners:
                 r.join(5.0)

@@ -8,6 +8,7 @@ import zmq
 from wavelet.common.config import JobConfig
 from wavelet.common.datasets import Dataset
 from wavelet.common.job import build_dataset_and_model
+from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.worker.client import PSClient
 
@@ -29,13 +30,19 @@ def evaluate(
 
 
 def evaluate_shards(
-    addresses: list[str], job: JobConfig, device: str = "cpu", context: zmq.Context | None = None
+    addresses: list[str],
+    job: JobConfig,
+    device: str = "cpu",
+    context: zmq.Context | None = None,
+    keys: ClientKeys | None = None,
 ) -> float:
     """Pull the shards' current weights and buffers (as an observer) and test them."""
     dataset, model = build_dataset_and_model(job, device)
     plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes)
     tensors = {name: t for name, t, _ in model_tensors(model)}
-    client = PSClient(addresses, plan, tensors, "eval", 0, job.request_timeout_s, context=context)
+    client = PSClient(
+        addresses, plan, tensors, "eval", 0, job.request_timeout_s, context=context, keys=keys
+    )
     try:
         client.pull(0, observer=True)
     finally:

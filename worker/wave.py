@@ -25,7 +25,7 @@ from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.worker.baton import ForwardBaton, NoBaton
-from wavelet.worker.client import PSClient, StopRequested
+from wavelet.worker.client import PSClient, StopRequested, client_keys
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 
@@ -60,6 +60,7 @@ class Wave:
         self.context = context
         self.evaluate = evaluate
         self.device = torch.device(config.device)
+        self.keys = client_keys(config)
         self.error: BaseException | None = None
         name = f"worker-{config.rank}-wave-{ident.local}"
         self.records = RecordWriter(Path(config.run_dir) / "records" / f"{name}.jsonl")
@@ -99,6 +100,7 @@ class Wave:
             job.request_timeout_s,
             self.stop,
             self.context,
+            self.keys,
         )
         meter = SavedActivationMeter(model.parameters())
         part = self.dataset.part(ident.global_index, ident.total, job.seed)
@@ -109,7 +111,9 @@ class Wave:
                 f"{len(part.x)} samples; lower --batch-size"
             )
         try:
-            clock = max(client.register(0))
+            clock = max(client.register(0, resume=self.config.resume))
+            # Resuming, the wave goes on from the iteration its clock says it had reached.
+            first = clock if self.config.resume else 0
             t = time.perf_counter()
             pulled = client.pull(clock)
             self.records.write(
@@ -126,12 +130,13 @@ class Wave:
                 }
             )
             started = time.monotonic()
-            iteration = 0
-            for epoch in range(job.epochs if job.epochs else 1 << 30):
+            iteration = first
+            for epoch in range(first // steps, job.epochs if job.epochs else 1 << 30):
                 model.train()
-                for x, y in part.batches(
-                    job.batch_size, epoch, job.seed + 7919 * ident.global_index
-                ):
+                batches = part.batches(job.batch_size, epoch, job.seed + 7919 * ident.global_index)
+                for skipped, (x, y) in enumerate(batches):
+                    if epoch == first // steps and skipped < first % steps:
+                        continue
                     if self.stop.is_set():
                         raise StopRequested()
                     if job.max_seconds and time.monotonic() - started >= job.max_seconds:
@@ -217,6 +222,7 @@ class Wave:
             lr_scale=lr_scale,
             bound_wait_s=next_pull.parked_s,
             dropped=next_pull.dropped,
+            lost_updates=client.lost_updates,
             saved_bytes_peak=meter.peak,
             **device_memory(dev),
         )

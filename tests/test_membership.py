@@ -1,0 +1,78 @@
+"""Membership: a worker killed with SIGKILL is dropped after the wave timeout so the others go on
+(under s = 0 and a finite s); started again, it rejoins at the current version."""
+
+import signal
+import time
+
+import pytest
+from conftest import started, wavelet_cmd
+
+from wavelet.common.records import read_records
+
+JOB = ["--epochs", "500", "--set", "wave_timeout_s=3", "--set", "heartbeat_s=0.5"]
+
+
+def _worker_cmd(daemons, rank, run_dir, s):
+    cmd = wavelet_cmd(
+        "worker",
+        *JOB,
+        "--staleness",
+        s,
+        "--rank",
+        str(rank),
+        "--num-workers",
+        "2",
+        "--threads",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--waves",
+        "1",
+    )
+    for a in daemons.addresses:
+        cmd += ["--shard", a]
+    return cmd
+
+
+def _steps(path):
+    return [r for r in read_records(path) if r["kind"] == "step"] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("s", ["0", "2"])
+def test_killed_worker_is_dropped_and_rejoins(shard_daemons, tmp_path, s):
+    daemons = shard_daemons([*JOB, "--staleness", s, "--waves", "1"], count=2, expect_waves=2)
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    a_records = run_a / "records" / "worker-0-wave-0.jsonl"
+    with started(_worker_cmd(daemons, 0, run_a, s), tmp_path / "a.log") as a:
+        with started(_worker_cmd(daemons, 1, run_b, s), tmp_path / "b.log") as b:
+            deadline = time.monotonic() + 60
+            while len(_steps(a_records)) < 20:
+                assert time.monotonic() < deadline, "training did not start"
+                time.sleep(0.1)
+            b.send_signal(signal.SIGKILL)
+            b.wait(10)
+        at_kill = len(_steps(a_records))
+        time.sleep(6)  # the wave timeout passes: a goes on alone
+        alone = len(_steps(a_records))
+        assert alone > at_kill + 10, (at_kill, alone)
+        # b comes back as a new process and joins at the current clock
+        b2_records = tmp_path / "b2" / "records" / "worker-1-wave-0.jsonl"
+        with started(_worker_cmd(daemons, 1, tmp_path / "b2", s), tmp_path / "b2.log") as b2:
+            deadline = time.monotonic() + 60
+            while len(_steps(b2_records)) < 10:
+                assert time.monotonic() < deadline, (tmp_path / "b2.log").read_text()[-2000:]
+                time.sleep(0.1)
+            # both train together again: each advances
+            a_then, b_then = len(_steps(a_records)), len(_steps(b2_records))
+            time.sleep(2)
+            assert len(_steps(a_records)) > a_then and len(_steps(b2_records)) > b_then
+            b2.send_signal(signal.SIGTERM)
+            assert b2.wait(30) == 0
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(30) == 0, (tmp_path / "a.log").read_text()[-2000:]
+    rejoined = _steps(b2_records)
+    assert rejoined[0]["clock"] > alone // 2, "b should rejoin at the current clock"
+    logs = "".join((daemons.tmp / f"ps-{i}.log").read_text() for i in range(2))
+    assert "silent for over" in logs

@@ -1,0 +1,65 @@
+"""Heartbeat: tells every shard which of this worker's waves are alive, every few seconds.
+
+A wave busy in a long forward or parked on the staleness bound sends nothing for a while; the
+heartbeat keeps it in the membership. A wave that died (or a worker killed outright) stops
+heartbeating, and the shards drop it after ``wave_timeout_s`` so the others are not blocked.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from wavelet.common.protocol import Header, Op, send_message
+from wavelet.common.security import ClientKeys
+
+
+class Heartbeat(threading.Thread):
+    def __init__(
+        self,
+        addresses: list[str],
+        worker: str,
+        live_waves: Callable[[], list[int]],
+        every_s: float,
+        context: zmq.Context,
+        keys: ClientKeys | None = None,
+    ):
+        super().__init__(name="heartbeat", daemon=True)
+        self.addresses = addresses
+        self.worker = worker
+        self.live_waves = live_waves
+        self.every_s = every_s
+        self.context = context
+        self.keys = keys
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        sockets = []
+        for a in self.addresses:
+            s = self.context.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 4)  # a shard that is down gets a few, not a backlog
+            if self.keys is not None:
+                self.keys.apply(s)
+            s.connect(a)
+            sockets.append(s)
+        try:
+            while not self.stopped.wait(self.every_s):
+                header = Header(
+                    op=Op.HEARTBEAT, worker=self.worker, body={"waves": self.live_waves()}
+                )
+                for s in sockets:
+                    try:
+                        send_message(s, header, flags_nonblocking=True)
+                    except zmq.Again:
+                        pass
+                    while s.poll(0):  # replies are only acknowledgements
+                        s.recv_multipart()
+        finally:
+            for s in sockets:
+                s.close(linger=0)
+
+    def stop(self) -> None:
+        self.stopped.set()
