@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import CHILD_ENV, kill_tree, started, wavelet_cmd
 
+from wavelet.common.records import read_records
+
 
 def _processes_mentioning(text: str) -> list[int]:
     found = []
@@ -127,3 +129,33 @@ def test_daemons_stop_cleanly_on_signals(tmp_path, shard_daemons, sig):
         p.send_signal(sig)
         assert p.wait(15) == 0
         kill_tree(p.pid)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    cm = started(wavelet_cmd("launch", "--run-dir", str(run_dir), "--epochs", "30",
+                             "--checkpoint-every", "50"), tmp_path / "first.log")
+    proc = cm.__enter__()
+    try:
+        records = run_dir / "records" / "worker-0-wave-0.jsonl"
+        _wait_for(lambda: records.exists() and records.stat().st_size > 150_000, 90,
+                  "training did not start")
+        proc.send_signal(signal.SIGINT)  # the shards checkpoint as they stop
+        assert proc.wait(30) == 130
+    finally:
+        cm.__exit__(None, None, None)
+    stopped_at = max(r["clock"] for r in read_records(records) if r["kind"] == "step")
+    done = subprocess.run(wavelet_cmd("launch", "--resume", str(run_dir)), env=CHILD_ENV,
+                          capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = list(read_records(records))
+    second = max(i for i, r in enumerate(rows) if r["kind"] == "start")
+    first_resumed = next(r["clock"] for r in rows[second:] if r["kind"] == "step")
+    # the second part goes on where the first stopped (shards checkpoint as they stop), not
+    # from clock 0, and the job ends at its full budget
+    assert stopped_at - 50 <= first_resumed <= stopped_at + 1, (first_resumed, stopped_at)
+    assert max(r["clock"] for r in rows if r["kind"] == "step") == 30 * 22 - 1
+    assert json.loads((run_dir / "summary.json").read_text())["test_accuracy"] >= 0.97
+    _assert_nothing_left(run_dir)
