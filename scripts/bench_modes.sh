@@ -2,16 +2,21 @@
 # The comparisons quoted in README.md and docs/design.md, rerunnable: tick-tock against one wave,
 # two waves started together, bulk-synchronous and all-reduce (wavelet compare), and staleness
 # sweeps with and without a straggler (wavelet tune). Reports land in runs/bench/*/report.md.
-# About 30 minutes on a 2-core machine; run nothing else meanwhile.
+# About 40 minutes on a 2-core machine; run nothing else meanwhile. `bash scripts/bench_modes.sh
+# compare` or `... tune` runs one half.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=${WAVELET:-.venv/bin/wavelet}
 OUT=${OUT:-runs/bench}
 mkdir -p "$OUT"
 RESNET=(--config configs/resnet18_synthetic.toml --epochs 0 --max-seconds 60 --target-acc 0.3)
+PART=${1:-all}  # all | compare | tune
 
+if [ "$PART" != tune ]; then
 $W compare --out "$OUT/compare-digits"
 $W compare "${RESNET[@]}" --out "$OUT/compare-resnet18"
+fi
+[ "$PART" = compare ] && exit 0
 $W tune --devices cpu,cpu --out "$OUT/tune-digits"
 $W tune --devices cpu,cpu --set slow_wave=2 --set slow_factor=3 --out "$OUT/tune-digits-straggler"
 $W tune "${RESNET[@]}" --max-seconds 45 --bounds 0,1,inf --policies apply,scale \

@@ -8,6 +8,7 @@ side by side in one run, in alternating rounds, reported as medians with ratios:
 - raw pyzmq: the same bytes, split the same way, sent to 2 server processes that answer with the
   same number of bytes (DEALER/ROUTER, zero-copy, no protocol, no optimizer).
 - gloo all_reduce: the tensor all-reduced between 2 processes (what DDP does with gradients).
+- with ``--curve``: the wavelet PS round trip again, with CURVE encryption and authentication.
 
 Run: ``python scripts/bench_ps.py`` (``--help`` for sizes and repeats).
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from wavelet.common.security import JobKeys
 from wavelet.common.sharding import ShardingPlan
 from wavelet.worker.client import PSClient
 
@@ -98,11 +100,12 @@ class RawZmq:
 
 
 class WaveletPS:
-    def __init__(self, shards: int, numel: int, workdir: Path):
+    def __init__(self, shards: int, numel: int, workdir: Path, curve: bool = False):
         self.procs = []
         addresses = []
+        keys = JobKeys.create(workdir / "keys", ["bench"]) if curve else None
         for i in range(shards):
-            ready = workdir / f"ps-{i}.addr"
+            ready = workdir / f"ps-{i}{'-curve' if curve else ''}.addr"
             cmd = [
                 sys.executable,
                 "-m",
@@ -119,6 +122,13 @@ class WaveletPS:
                 "--ready-file",
                 str(ready),
             ]
+            if keys:
+                cmd += [
+                    "--curve-secret",
+                    str(keys.server_secret),
+                    "--curve-authorized",
+                    str(keys.authorized),
+                ]
             self.procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}))
             deadline = time.monotonic() + 60
             while not ready.exists():
@@ -129,7 +139,15 @@ class WaveletPS:
         self.weight = torch.nn.Parameter(torch.randn(numel) * 0.01)
         self.weight.grad = torch.randn(numel) * 1e-4
         plan = ShardingPlan.build([("w", self.weight, True)], shards, 4 << 20)
-        self.client = PSClient(addresses, plan, {"w": self.weight}, "bench", 0, 120.0)
+        self.client = PSClient(
+            addresses,
+            plan,
+            {"w": self.weight},
+            "bench",
+            0,
+            120.0,
+            keys=keys.client("bench") if keys else None,
+        )
         self.client.register(0)
         self.pulled = self.client.pull(0)
         self.clock = 0
@@ -213,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--iters", type=int, default=10, help="timed operations per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds, methods alternating")
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="also time push+pull with CURVE encryption and authentication",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     nbytes = args.numel * 4
@@ -222,21 +245,29 @@ def main(argv: list[str] | None = None) -> int:
         "raw pyzmq same bytes": [],
         "gloo all_reduce (2 procs)": [],
     }
+    if args.curve:
+        times["wavelet PS push+pull, CURVE"] = []
     with tempfile.TemporaryDirectory() as tmp:
         ps = WaveletPS(args.shards, args.numel, Path(tmp))
+        secure = WaveletPS(args.shards, args.numel, Path(tmp), curve=True) if args.curve else None
         raw = RawZmq(args.shards, per_shard)
         gloo = Gloo(args.numel, args.iters)
         try:
-            for step in (ps.step, raw.step):  # warm-up: first touches page in buffers
+            for step in (ps.step, raw.step) + ((secure.step,) if secure else ()):
+                # warm-up: first touches page in buffers
                 _timed(step, 2)
             for r in range(args.rounds):
                 times["raw pyzmq same bytes"] += _timed(raw.step, args.iters)
                 times["wavelet PS push+pull"] += _timed(ps.step, args.iters)
+                if secure:
+                    times["wavelet PS push+pull, CURVE"] += _timed(secure.step, args.iters)
                 gloo_times = gloo.round()
                 times["gloo all_reduce (2 procs)"] += gloo_times if r else gloo_times[2:]
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             ps.close()
+            if secure:
+                secure.close()
             raw.close()
             gloo.close()
     medians = {k: statistics.median(v) for k, v in times.items()}

@@ -135,20 +135,32 @@ def test_daemons_stop_cleanly_on_signals(tmp_path, shard_daemons, sig):
 @pytest.mark.timeout(240)
 def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
-    cm = started(wavelet_cmd("launch", "--run-dir", str(run_dir), "--epochs", "30",
-                             "--checkpoint-every", "50"), tmp_path / "first.log")
+    cm = started(
+        wavelet_cmd(
+            "launch", "--run-dir", str(run_dir), "--epochs", "30", "--checkpoint-every", "50"
+        ),
+        tmp_path / "first.log",
+    )
     proc = cm.__enter__()
     try:
         records = run_dir / "records" / "worker-0-wave-0.jsonl"
-        _wait_for(lambda: records.exists() and records.stat().st_size > 150_000, 90,
-                  "training did not start")
+        _wait_for(
+            lambda: records.exists() and records.stat().st_size > 150_000,
+            90,
+            "training did not start",
+        )
         proc.send_signal(signal.SIGINT)  # the shards checkpoint as they stop
         assert proc.wait(30) == 130
     finally:
         cm.__exit__(None, None, None)
     stopped_at = max(r["clock"] for r in read_records(records) if r["kind"] == "step")
-    done = subprocess.run(wavelet_cmd("launch", "--resume", str(run_dir)), env=CHILD_ENV,
-                          capture_output=True, text=True, timeout=200)
+    done = subprocess.run(
+        wavelet_cmd("launch", "--resume", str(run_dir)),
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = list(read_records(records))
     second = max(i for i, r in enumerate(rows) if r["kind"] == "start")
