@@ -269,6 +269,18 @@ def _add_client_key_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_sweep_flags(p: argparse.ArgumentParser, name: str) -> None:
+    """What compare and tune share: where to run, where to write, what accuracy to aim for."""
+    p.add_argument("--devices", default="cpu")
+    p.add_argument("--out", help=f"report directory (default runs/{name}-<time>)")
+    p.add_argument(
+        "--target-acc",
+        type=float,
+        default=0.97,
+        help="test accuracy for the time-to-accuracy column (default 0.97)",
+    )
+
+
 def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint-every",
@@ -444,14 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated, from ticktock, single, together, procs, bsp, allreduce, "
         "allreduce2 (default: all)",
     )
-    comp.add_argument("--devices", default="cpu")
-    comp.add_argument("--out", help="report directory (default runs/compare-<time>)")
-    comp.add_argument(
-        "--target-acc",
-        type=float,
-        default=0.97,
-        help="test accuracy for the time-to-accuracy column (default 0.97)",
-    )
+    _add_sweep_flags(comp, "compare")
     comp.set_defaults(run=_cmd_compare)
 
     tune = sub.add_parser("tune", help="sweep staleness bounds and policies on one job")
@@ -460,9 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--policies", default="apply,scale,drop,dc-asgd", help="stale-gradient policies to try"
     )
-    tune.add_argument("--devices", default="cpu")
-    tune.add_argument("--out", help="report directory (default runs/tune-<time>)")
-    tune.add_argument("--target-acc", type=float, default=0.97)
+    _add_sweep_flags(tune, "tune")
     tune.set_defaults(run=_cmd_tune)
 
     stats = sub.add_parser("stats", help="print live shards' versions, clocks and staleness")

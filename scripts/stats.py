@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from wavelet.common.metrics import quantile
 from wavelet.common.protocol import Op, RemoteError
 from wavelet.worker.client import ShardTimeout, call_shard
 
@@ -42,18 +43,8 @@ def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
         total = sum(m["hist"].values())
         m["staleness_mean"] = sum(t * n for t, n in m["hist"].items()) / total if total else 0.0
         m["staleness_max"] = max(m["hist"], default=0)
-        m["staleness_p99"] = _quantile(m["hist"], 0.99)
+        m["staleness_p99"] = quantile(m["hist"], 0.99)
     return waves
-
-
-def _quantile(hist: dict[int, int], q: float) -> int:
-    total = sum(hist.values())
-    seen = 0
-    for tau in sorted(hist):
-        seen += hist[tau]
-        if seen >= q * total:
-            return tau
-    return 0
 
 
 def format_wave_table(waves: dict[str, dict]) -> str:
