@@ -1,0 +1,91 @@
+"""A shard and a worker on two hosts (network namespaces made by the test, joined by a veth pair on
+link-local addresses): the link is cut for a few seconds and restored, and the job continues.
+Needs root and `ip netns`; skipped otherwise. No traffic leaves the two namespaces."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from conftest import CHILD_ENV
+
+from wavelet.common.records import read_records
+
+PS_ADDR, WK_ADDR = "169.254.77.1", "169.254.77.2"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def two_hosts():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2")
+    tag = uuid.uuid4().hex[:6]
+    ps_ns, wk_ns = f"wv-ps-{tag}", f"wv-wk-{tag}"
+    try:
+        _ip("netns", "add", ps_ns)
+    except (subprocess.CalledProcessError, OSError):
+        pytest.skip("cannot create network namespaces here")
+    try:
+        _ip("netns", "add", wk_ns)
+        _ip("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
+        _ip("link", "set", f"va{tag}", "netns", ps_ns)
+        _ip("link", "set", f"vb{tag}", "netns", wk_ns)
+        for ns, dev, addr in ((ps_ns, f"va{tag}", PS_ADDR), (wk_ns, f"vb{tag}", WK_ADDR)):
+            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield ps_ns, wk_ns, f"vb{tag}"
+    finally:
+        for ns in (ps_ns, wk_ns):
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=10)
+
+
+def _in(ns: str, *args: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, sys.executable, "-m", "wavelet.scripts.cli", *args]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_job_survives_a_cut_link(two_hosts, tmp_path):
+    ps_ns, wk_ns, wk_dev = two_hosts
+    address = f"tcp://{PS_ADDR}:5571"
+    job = ["--epochs", "40", "--shards", "1"]
+    procs = []
+    try:
+        with open(tmp_path / "ps.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                _in(ps_ns, "ps", *job, "--bind", address, "--insecure", "--expect-waves", "2",
+                    "--run-dir", str(tmp_path / "ps")),
+                stdout=log, stderr=subprocess.STDOUT, env=CHILD_ENV))
+        with open(tmp_path / "worker.log", "wb") as log:
+            worker = subprocess.Popen(
+                _in(wk_ns, "worker", *job, "--shard", address, "--threads", "1",
+                    "--run-dir", str(tmp_path / "run")),
+                stdout=log, stderr=subprocess.STDOUT, env=CHILD_ENV)
+            procs.append(worker)
+        records = tmp_path / "run" / "records" / "worker-0-wave-0.jsonl"
+        deadline = time.monotonic() + 90
+        while not (records.exists() and records.stat().st_size > 30_000):
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        _ip("-n", wk_ns, "link", "set", wk_dev, "down")
+        time.sleep(3)
+        cut = len([r for r in read_records(records) if r["kind"] == "step"])
+        _ip("-n", wk_ns, "link", "set", wk_dev, "up")
+        assert worker.wait(150) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+        steps = [r for r in read_records(records) if r["kind"] == "step"]
+        assert len(steps) == 40 * 22 and len(steps) > cut
+        assert "without authentication" in (tmp_path / "ps.log").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(10)
