@@ -122,11 +122,11 @@ def run_metrics(run_dir: str | Path, target_accuracy: float) -> RunMetrics:
         m.memory_traces[device] = by_wave
         m.peak_bytes_per_device[device] = peak(combined_timeline(list(by_wave.values())))
         m.single_wave_peak_bytes[device] = max(peak(t) for t in by_wave.values())
-    m.staleness = _staleness(run_dir)
+    m.staleness = push_staleness(run_dir)
     return m
 
 
-def _staleness(run_dir: Path) -> dict[str, dict]:
+def push_staleness(run_dir: Path) -> dict[str, dict]:
     """Per wave, over all shards' push records: staleness histogram, mean, p99, dropped."""
     hist: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     dropped: dict[str, int] = defaultdict(int)

@@ -22,9 +22,11 @@ from pathlib import Path
 
 from wavelet.common.config import ConfigError, JobConfig, LaunchConfig, to_dict
 from wavelet.common.job import check_job
+from wavelet.common.metrics import push_staleness
 from wavelet.common.protocol import Op, RemoteError
 from wavelet.common.records import read_records
 from wavelet.common.security import JobKeys, check_bind
+from wavelet.scripts.plots import staleness_histograms
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
 from wavelet.worker.client import ShardTimeout, call_shard
 from wavelet.worker.evaluate import evaluate_shards
@@ -330,6 +332,7 @@ def _finish(job: Job, job_cfg: JobConfig, addresses: list[str], progress: Progre
         stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
         for a in addresses:
             call_shard(a, Op.SHUTDOWN, keys=keys)
+        staleness_histograms(push_staleness(job.run_dir), job.run_dir / "staleness.png")
     else:
         accuracy = progress.final_accuracy
         stats = {}
@@ -340,6 +343,7 @@ def _finish(job: Job, job_cfg: JobConfig, addresses: list[str], progress: Progre
         "samples": progress.samples,
         "train_seconds": progress.elapsed(),
         "samples_per_s": progress.samples / max(progress.elapsed(), 1e-9),
+        "lost_updates": progress.lost_updates,
         "waves": stats,
     }
     (job.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -353,6 +357,8 @@ def format_summary(s: dict) -> str:
         f"throughput: {s['samples_per_s']:.0f} samples/s ({s['samples']} samples in "
         f"{s['train_seconds']:.1f}s, all waves)",
     ]
+    if s.get("lost_updates"):
+        lines.append(f"restarted shards lost {s['lost_updates']} update(s) (see the records)")
     if s["waves"]:
         lines += [
             "staleness per wave (updates applied between a wave's read and its push):",
@@ -380,6 +386,7 @@ class Progress:
         self.steps = 0
         self.accuracy: float | None = None
         self.final_accuracy: float | None = None
+        self.lost_updates = 0  # most updates any wave saw a restarted shard lose
 
     def due(self) -> bool:
         if time.monotonic() < self._next:
@@ -407,6 +414,7 @@ class Progress:
             self.steps += 1
             self.epoch = max(self.epoch, r["epoch"] + 1)
             self.loss[wave] = r["loss"]
+            self.lost_updates = max(self.lost_updates, r.get("lost_updates", 0))
             self.last_t = r["t"] if self.last_t is None else max(self.last_t, r["t"])
         elif r["kind"] == "eval":
             self.accuracy = r["test_acc"]

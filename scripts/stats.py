@@ -28,6 +28,7 @@ def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
                     "parked_s": 0.0,
                     "last_read": {},
                     "rejected": 0,
+                    "dropped": 0,
                 },
             )
             m["clock"] = max(m["clock"], w["clock"])
@@ -35,6 +36,7 @@ def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
             m["parked"] += w["parked"]
             m["parked_s"] = max(m["parked_s"], w["parked_s"])
             m["rejected"] += sum(w["rejected"].values())
+            m["dropped"] += w["dropped"]
             for tau, n in w["staleness_hist"].items():
                 m["hist"][int(tau)] = m["hist"].get(int(tau), 0) + n
             if w["reads"]:
@@ -49,16 +51,18 @@ def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
 
 def format_wave_table(waves: dict[str, dict]) -> str:
     lines = [
-        f"{'wave':<8} {'clock':>6} {'pushes':>7} {'stale mean':>10} {'p99':>4} {'max':>4} "
-        f"{'parked':>7} {'bound wait s':>12}  histogram (staleness: pushes)"
+        f"{'wave':<8} {'clock':>6} {'read':>10} {'pushes':>7} {'mean':>6} {'p99':>4} "
+        f"{'max':>4} {'dropped':>7} {'parked':>7} {'waited_s':>9}  "
+        "staleness histogram (staleness:pushes)"
     ]
     for name in sorted(waves):
         w = waves[name]
         hist = " ".join(f"{t}:{n}" for t, n in sorted(w["hist"].items()))
+        read = "/".join(str(v) for _, v in sorted(w["last_read"].items())) or "-"
         lines.append(
-            f"{name:<8} {w['clock']:>6} {w['pushes']:>7} {w['staleness_mean']:>10.2f} "
-            f"{w['staleness_p99']:>4} {w['staleness_max']:>4} {w['parked']:>7} "
-            f"{w['parked_s']:>12.2f}  {hist}"
+            f"{name:<8} {w['clock']:>6} {read:>10} {w['pushes']:>7} {w['staleness_mean']:>6.2f} "
+            f"{w['staleness_p99']:>4} {w['staleness_max']:>4} {w['dropped']:>7} {w['parked']:>7} "
+            f"{w['parked_s']:>9.2f}  {hist}"
         )
     return "\n".join(lines)
 
@@ -75,4 +79,6 @@ def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
             f"{s['parked_now']} pull(s) parked, {s['rejected']} request(s) rejected"
         )
     print(format_wave_table(merge_wave_stats(shards)))
+    print("read: version last read from each shard; mean/p99/max: staleness of pushes; "
+          "waited_s: time pulls were parked by the bound")
     return 0

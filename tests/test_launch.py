@@ -59,6 +59,7 @@ def test_default_job_reaches_the_accuracy_bar(tmp_path):
     for w in summary["waves"].values():
         assert w["pushes"] > 0 and "staleness_mean" in w
     assert (run_dir / "records" / "ps-0-pushes.jsonl").exists()
+    assert (run_dir / "staleness.png").read_bytes()[:4] == b"\x89PNG"
     _assert_nothing_left(run_dir)
 
 

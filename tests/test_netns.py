@@ -60,15 +60,42 @@ def test_job_survives_a_cut_link(two_hosts, tmp_path):
     procs = []
     try:
         with open(tmp_path / "ps.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                _in(ps_ns, "ps", *job, "--bind", address, "--insecure", "--expect-waves", "2",
-                    "--run-dir", str(tmp_path / "ps")),
-                stdout=log, stderr=subprocess.STDOUT, env=CHILD_ENV))
+            procs.append(
+                subprocess.Popen(
+                    _in(
+                        ps_ns,
+                        "ps",
+                        *job,
+                        "--bind",
+                        address,
+                        "--insecure",
+                        "--expect-waves",
+                        "2",
+                        "--run-dir",
+                        str(tmp_path / "ps"),
+                    ),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=CHILD_ENV,
+                )
+            )
         with open(tmp_path / "worker.log", "wb") as log:
             worker = subprocess.Popen(
-                _in(wk_ns, "worker", *job, "--shard", address, "--threads", "1",
-                    "--run-dir", str(tmp_path / "run")),
-                stdout=log, stderr=subprocess.STDOUT, env=CHILD_ENV)
+                _in(
+                    wk_ns,
+                    "worker",
+                    *job,
+                    "--shard",
+                    address,
+                    "--threads",
+                    "1",
+                    "--run-dir",
+                    str(tmp_path / "run"),
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=CHILD_ENV,
+            )
             procs.append(worker)
         records = tmp_path / "run" / "records" / "worker-0-wave-0.jsonl"
         deadline = time.monotonic() + 90

@@ -118,3 +118,28 @@ def test_scale_with_no_staleness_equals_apply(shard_daemons):
             a.close()
     for x, y in zip(results["apply"], results["scale"], strict=True):
         assert np.array_equal(x, y)
+
+
+def test_wavelet_stats_shows_each_wave(shard_daemons):
+    import subprocess
+
+    from conftest import CHILD_ENV, wavelet_cmd
+
+    daemons, (a, am), (b, bm) = _two_waves(shard_daemons, "drop", ["--set", "drop_limit=0"])
+    try:
+        ra, rb = a.pull(0), b.pull(0)
+        _set_grads(bm, 1)
+        b.push_pull(0, rb.versions)
+        _set_grads(am, 2)
+        a.push_pull(0, ra.versions)  # stale by one: dropped
+        done = subprocess.run(wavelet_cmd("stats", *daemons.addresses), env=CHILD_ENV,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        a.close(), b.close()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "version 1" in lines[0] and "staleness bound inf" in lines[0]
+    header = lines[1].split()
+    rows = {ln.split()[0]: dict(zip(header, ln.split(), strict=False)) for ln in lines[2:]}
+    assert rows["a/0"]["dropped"] == "1" and rows["b/0"]["dropped"] == "0"
+    assert rows["a/0"]["read"] == "1" and rows["a/0"]["clock"] == "1"
