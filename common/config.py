@@ -255,6 +255,7 @@ class LaunchConfig:
     # Worker processes (ps mode) or DDP ranks (allreduce mode) per device; 2 gives the
     # "two tasks on one device" baselines.
     processes_per_device: int = 1
+    threads: int = 0  # torch threads per worker process; 0 sizes pools to the cores
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -264,6 +265,7 @@ class LaunchConfig:
         _one_of("mode", self.mode, MODES)
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("processes_per_device", self.processes_per_device, (1, 2))
+        _non_negative("threads", self.threads)
 
 
 MODES = ("ps", "allreduce")

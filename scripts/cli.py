@@ -120,6 +120,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         mode=args.mode,
         schedule=args.schedule,
         processes_per_device=args.processes_per_device,
+        threads=args.threads,
         curve=args.curve,
         insecure=args.insecure,
         checkpoint_every=args.checkpoint_every,
@@ -346,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--insecure", action="store_true", help="allow a non-loopback --host without --curve"
+    )
+    launch.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per worker process (default: the cores divided "
+        "among the waves that run at once, so none are oversubscribed)",
     )
     _add_checkpoint_flags(launch)
     launch.add_argument(

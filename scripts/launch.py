@@ -240,7 +240,9 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
     cfg = job.config
     processes = _worker_processes(job)
     # A process's waves run concurrently: size its thread pool for all of them.
-    threads = _threads_per_process(cfg.devices, cfg.processes_per_device * cfg.job.waves)
+    threads = cfg.threads or _threads_per_process(
+        cfg.devices, cfg.processes_per_device * cfg.job.waves
+    )
     workers = []
     for rank, device, index in processes:
         args = [
@@ -280,7 +282,9 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
 def _start_ranks(job: Job, job_file: Path) -> list[Child]:
     """DDP ranks with torchrun's environment variables (env:// rendezvous)."""
     processes = _worker_processes(job)
-    threads = _threads_per_process(job.config.devices, job.config.processes_per_device)
+    threads = job.config.threads or _threads_per_process(
+        job.config.devices, job.config.processes_per_device
+    )
     env = {
         "MASTER_ADDR": job.config.host,
         "MASTER_PORT": str(_free_port(job.config.host)),

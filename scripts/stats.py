@@ -79,6 +79,8 @@ def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
             f"{s['parked_now']} pull(s) parked, {s['rejected']} request(s) rejected"
         )
     print(format_wave_table(merge_wave_stats(shards)))
-    print("read: version last read from each shard; mean/p99/max: staleness of pushes; "
-          "waited_s: time pulls were parked by the bound")
+    print(
+        "read: version last read from each shard; mean/p99/max: staleness of pushes; "
+        "waited_s: time pulls were parked by the bound"
+    )
     return 0

@@ -132,8 +132,13 @@ def test_wavelet_stats_shows_each_wave(shard_daemons):
         b.push_pull(0, rb.versions)
         _set_grads(am, 2)
         a.push_pull(0, ra.versions)  # stale by one: dropped
-        done = subprocess.run(wavelet_cmd("stats", *daemons.addresses), env=CHILD_ENV,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            wavelet_cmd("stats", *daemons.addresses),
+            env=CHILD_ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         a.close(), b.close()
     assert done.returncode == 0, done.stderr
