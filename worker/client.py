@@ -68,6 +68,7 @@ class PSClient:
         self.chunks = [plan.for_shard(i) for i in range(plan.num_shards)]
         self._ids = itertools.count(1)
         self._staging: dict[int, torch.Tensor] = {}
+        self._pending_device: torch.device | None = None
         context = context or zmq.Context.instance()
         self.sockets = []
         for a in addresses:
@@ -122,6 +123,7 @@ class PSClient:
                 body={"trainable": [c.trainable for c in chunks]},
             )
             messages.append((h, [self._host(self.tensors[c.name], c) for c in chunks]))
+        self._copies_done()
         self._exchange(messages)
 
     def pull(self, clock: int, observer: bool = False) -> PullResult:
@@ -147,6 +149,7 @@ class PSClient:
                 body={"lr_scale": lr_scale},
             )
             messages.append((h, [self._push_tensor(c) for c in chunks]))
+        self._copies_done()
         return self._load(self._exchange(messages, lambda i: self._recover(i, clock + 1)))
 
     @property
@@ -185,9 +188,15 @@ class PSClient:
         if staged is None:
             staged = torch.empty(chunk.numel, dtype=view.dtype, pin_memory=True)
             self._staging[chunk.key] = staged
-        staged.copy_(view, non_blocking=True)
-        torch.cuda.current_stream(view.device).synchronize()
+        staged.copy_(view, non_blocking=True)  # the caller waits once for all: _copies_done
+        self._pending_device = view.device
         return staged
+
+    def _copies_done(self) -> None:
+        """Wait for the device-to-host copies of a message before ZeroMQ reads the buffers."""
+        if self._pending_device is not None:
+            torch.cuda.current_stream(self._pending_device).synchronize()
+            self._pending_device = None
 
     def _load(self, replies: list[tuple[Header, list[torch.Tensor]]]) -> PullResult:
         with torch.no_grad():
@@ -319,7 +328,9 @@ class PSClient:
                 keys=[c.key for c in chunks],
                 body={"trainable": [c.trainable for c in chunks]},
             )
-            self._request_one(i, init, [self._host(self.tensors[c.name], c) for c in chunks])
+            tensors = [self._host(self.tensors[c.name], c) for c in chunks]
+            self._copies_done()
+            self._request_one(i, init, tensors)
         return self._request_one_reply(i, self._header(Op.PULL, clock=clock))
 
     def _request_one(self, i: int, header: Header, tensors=()) -> Header:
