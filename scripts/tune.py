@@ -99,6 +99,12 @@ def recommend(results: list[SettingResult]) -> tuple[SettingResult, SettingResul
     if second is None:
         return best, None, "no setting reached the target; the only one that finished"
     margin = 100 * ((best.metrics.final_accuracy or 0) - (second.metrics.final_accuracy or 0))
+    if margin == 0:
+        why = (
+            "no setting reached the target and the best ones tie on final accuracy: this "
+            "sweep does not tell them apart"
+        )
+        return best, second, why
     return (
         best,
         second,

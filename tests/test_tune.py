@@ -29,6 +29,8 @@ def test_recommendation_prefers_time_to_target_then_final_accuracy():
     assert "1.00s sooner" in why
     best, second, why = recommend([_result("a", None, 0.90), _result("b", None, 0.95)])
     assert best.setting.policy == "b" and "no setting reached" in why
+    _, _, why = recommend([_result("a", None, 0.90), _result("b", None, 0.90)])
+    assert "tie" in why
 
 
 @pytest.mark.slow
