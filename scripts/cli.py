@@ -460,8 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_flags(comp)
     comp.add_argument(
         "--modes",
-        default="ticktock,single,together,procs,bsp,allreduce,allreduce2",
-        help="comma-separated, from ticktock, single, together, procs, bsp, allreduce, "
+        default="ticktock,ticktock-wide,single,together,procs,bsp,allreduce,allreduce2",
+        help="comma-separated, from ticktock, ticktock-wide, single, together, procs, bsp, "
+        "allreduce, "
         "allreduce2 (default: all)",
     )
     _add_sweep_flags(comp, "compare")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import traceback
 from pathlib import Path
 
@@ -23,6 +24,11 @@ MODES: dict[str, tuple[str, dict, dict]] = {
     "ticktock": (
         "PS, 2 waves per device taking turns at forward",
         {"schedule": "ticktock"},
+        {"waves": 2},
+    ),
+    "ticktock-wide": (
+        "PS, 2 waves tick-tock, the worker's thread pool sized for one wave at a time",
+        {"schedule": "ticktock", "threads": os.cpu_count() or 1},
         {"waves": 2},
     ),
     "single": ("PS, 1 wave per device", {"schedule": "ticktock"}, {"waves": 1}),
