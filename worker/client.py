@@ -72,15 +72,17 @@ class PSClient:
         context = context or zmq.Context.instance()
         self.sockets = []
         for a in addresses:
-            s = context.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
             # Reconnect to a restarted shard with backoff: 0.1 s, doubling up to 5 s.
-            s.setsockopt(zmq.RECONNECT_IVL, 100)
-            s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-            s.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # never block forever on send
-            if keys is not None:
-                keys.apply(s)
-            s.connect(a)
+            s = connect_dealer(
+                context,
+                a,
+                keys,
+                {
+                    zmq.RECONNECT_IVL: 100,
+                    zmq.RECONNECT_IVL_MAX: 5000,
+                    zmq.SNDTIMEO: int(timeout_s * 1000),  # never block forever on send
+                },
+            )
             self.sockets.append(s)
         self.poller = zmq.Poller()
         for s in self.sockets:
@@ -359,6 +361,24 @@ class PSClient:
         )
 
 
+def connect_dealer(
+    context: zmq.Context,
+    address: str,
+    keys: ClientKeys | None = None,
+    options: dict[int, int] | None = None,
+) -> zmq.Socket:
+    """A DEALER connected to ``address`` (CURVE-secured when ``keys`` are given), closing with
+    linger 0; ``options`` are extra socket options, ZeroMQ constant -> value."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for option, value in (options or {}).items():
+        sock.setsockopt(option, value)
+    if keys is not None:
+        keys.apply(sock)
+    sock.connect(address)
+    return sock
+
+
 def client_keys(config) -> ClientKeys | None:
     """The CURVE keys a WorkerConfig names, if any."""
     if not getattr(config, "curve_secret", ""):
@@ -376,13 +396,8 @@ def call_shard(
 ) -> Header:
     """One request to one shard outside any wave (stats, shutdown, checkpoint); raises on error."""
     context = context or zmq.Context.instance()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-    if keys is not None:
-        keys.apply(sock)
+    sock = connect_dealer(context, address, keys, {zmq.SNDTIMEO: int(timeout_s * 1000)})
     try:
-        sock.connect(address)
         try:
             send_message(sock, Header(op=op, request_id=1, **fields))
         except zmq.Again:

@@ -14,6 +14,7 @@ import zmq
 
 from wavelet.common.protocol import Header, Op, send_message
 from wavelet.common.security import ClientKeys
+from wavelet.worker.client import connect_dealer
 
 
 class Heartbeat(threading.Thread):
@@ -38,13 +39,8 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         sockets = []
         for a in self.addresses:
-            s = self.context.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, 4)  # a shard that is down gets a few, not a backlog
-            if self.keys is not None:
-                self.keys.apply(s)
-            s.connect(a)
-            sockets.append(s)
+            # a shard that is down gets a few heartbeats queued, not a backlog
+            sockets.append(connect_dealer(self.context, a, self.keys, {zmq.SNDHWM: 4}))
         try:
             while not self.stopped.wait(self.every_s):
                 header = Header(
