@@ -168,7 +168,9 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     first_resumed = next(r["clock"] for r in rows[second:] if r["kind"] == "step")
     # the second part goes on where the first stopped (shards checkpoint as they stop), not
     # from clock 0, and the job ends at its full budget
-    assert stopped_at - 50 <= first_resumed <= stopped_at + 1, (first_resumed, stopped_at)
+    # (+2: a wave may have pushed its last step, and the shard counted it, without having
+    # written that step's record when it was stopped)
+    assert stopped_at - 50 <= first_resumed <= stopped_at + 2, (first_resumed, stopped_at)
     assert max(r["clock"] for r in rows if r["kind"] == "step") == 30 * 22 - 1
     assert json.loads((run_dir / "summary.json").read_text())["test_accuracy"] >= 0.97
     _assert_nothing_left(run_dir)
