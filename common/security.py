@@ -142,8 +142,9 @@ def check_bind(address: str, secure: bool, insecure: bool) -> None:
         return
     if not insecure:
         raise ConfigError(
-            f"{address} is reachable from other machines: give CURVE keys (--curve-secret and "
-            "--curve-authorized; `wavelet keys` makes them) or pass --insecure"
+            f"{address} is reachable from other machines: secure it with CURVE (wavelet launch "
+            "--curve; for wavelet ps, --curve-secret and --curve-authorized from `wavelet keys`) "
+            "or pass --insecure"
         )
     log.warning(
         "listening on %s without authentication or encryption (--insecure): anyone "
