@@ -23,6 +23,13 @@ def wavelet_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "wavelet.scripts.cli", *args]
 
 
+def run_wavelet(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``wavelet ARGS`` to completion, as a user would run it; output captured."""
+    return subprocess.run(
+        wavelet_cmd(*args), env=CHILD_ENV, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def _children_of(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():

@@ -1,11 +1,10 @@
 """All-reduce mode, ``wavelet compare`` and the memory arithmetic behind its report."""
 
 import json
-import subprocess
 
 import matplotlib.image
 import pytest
-from conftest import CHILD_ENV, wavelet_cmd
+from conftest import run_wavelet
 
 from wavelet.common.metrics import combined_timeline, peak, run_metrics
 from wavelet.common.records import read_records
@@ -31,19 +30,14 @@ def test_combined_timeline_known_answer():
 @pytest.mark.timeout(180)
 def test_allreduce_mode_trains_digits_with_two_ranks(tmp_path):
     run_dir = tmp_path / "ar"
-    done = subprocess.run(
-        wavelet_cmd(
-            "launch",
-            "--mode",
-            "allreduce",
-            "--processes-per-device",
-            "2",
-            "--run-dir",
-            str(run_dir),
-        ),
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
+    done = run_wavelet(
+        "launch",
+        "--mode",
+        "allreduce",
+        "--processes-per-device",
+        "2",
+        "--run-dir",
+        str(run_dir),
         timeout=170,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -57,12 +51,8 @@ def test_allreduce_mode_trains_digits_with_two_ranks(tmp_path):
 @pytest.mark.timeout(300)
 def test_compare_report_is_complete_and_matches_the_records(tmp_path):
     out = tmp_path / "cmp"
-    done = subprocess.run(
-        wavelet_cmd("compare", "--epochs", "1", "--out", str(out), "--target-acc", "0.5"),
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
-        timeout=290,
+    done = run_wavelet(
+        "compare", "--epochs", "1", "--out", str(out), "--target-acc", "0.5", timeout=290
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (out / "report.md").read_text()

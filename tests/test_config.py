@@ -1,11 +1,10 @@
 """Configuration: TOML files, flag overrides, validation; bad values exit 2 with one line."""
 
-import subprocess
 import textwrap
 
 import pytest
 import torch
-from conftest import CHILD_ENV, wavelet_cmd
+from conftest import run_wavelet
 
 from wavelet.common.config import INF, ConfigError, JobConfig, from_dict
 from wavelet.common.datasets import build_dataset
@@ -73,9 +72,7 @@ def test_bad_values_name_the_problem(data, words):
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(argv):
-    done = subprocess.run(
-        wavelet_cmd(*argv), env=CHILD_ENV, capture_output=True, text=True, timeout=60
-    )
+    done = run_wavelet(*argv, timeout=60)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("wavelet: error:"), done.stderr

@@ -215,8 +215,19 @@ def test_lost_updates_are_counted_exactly(shard_daemons):
         assert r.versions == [7]
         daemons.procs[0].send_signal(signal.SIGKILL)
         daemons.procs[0].wait(10)
-        restart = wavelet_cmd("ps", "--staleness", "inf", "--checkpoint-every", "5", "--shards",
-                              "1", "--bind", daemons.addresses[0], "--run-dir", str(daemons.tmp))
+        restart = wavelet_cmd(
+            "ps",
+            "--staleness",
+            "inf",
+            "--checkpoint-every",
+            "5",
+            "--shards",
+            "1",
+            "--bind",
+            daemons.addresses[0],
+            "--run-dir",
+            str(daemons.tmp),
+        )
         with started(restart, daemons.tmp / "restarted.log"):
             r = c.push_pull(7, r.versions)  # in flight to the dead shard: re-joins, pulls
             assert c.lost_updates == 2 and r.versions == [5]

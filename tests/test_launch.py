@@ -4,12 +4,11 @@ dies, SIGTERM to each daemon; nothing is left running afterwards."""
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import CHILD_ENV, kill_tree, started, wavelet_cmd
+from conftest import kill_tree, run_wavelet, started, wavelet_cmd
 
 from wavelet.common.records import read_records
 
@@ -44,13 +43,7 @@ def _assert_nothing_left(run_dir: Path):
 def test_default_job_reaches_the_accuracy_bar(tmp_path):
     run_dir = tmp_path / "run"
     # The default job, exactly as the README runs it (it is small: about 5 s of training).
-    done = subprocess.run(
-        wavelet_cmd("launch", "--run-dir", str(run_dir)),
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
+    done = run_wavelet("launch", "--run-dir", str(run_dir), timeout=200)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "final test accuracy" in done.stdout and "samples/s" in done.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -155,13 +148,7 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     finally:
         cm.__exit__(None, None, None)
     stopped_at = max(r["clock"] for r in read_records(records) if r["kind"] == "step")
-    done = subprocess.run(
-        wavelet_cmd("launch", "--resume", str(run_dir)),
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
+    done = run_wavelet("launch", "--resume", str(run_dir), timeout=200)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = list(read_records(records))
     second = max(i for i, r in enumerate(rows) if r["kind"] == "start")

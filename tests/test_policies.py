@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import run_wavelet
 from helpers import client_for, shard_values, tiny_model
 
 LR = 0.1
@@ -121,9 +122,6 @@ def test_scale_with_no_staleness_equals_apply(shard_daemons):
 
 
 def test_wavelet_stats_shows_each_wave(shard_daemons):
-    import subprocess
-
-    from conftest import CHILD_ENV, wavelet_cmd
 
     daemons, (a, am), (b, bm) = _two_waves(shard_daemons, "drop", ["--set", "drop_limit=0"])
     try:
@@ -132,13 +130,7 @@ def test_wavelet_stats_shows_each_wave(shard_daemons):
         b.push_pull(0, rb.versions)
         _set_grads(am, 2)
         a.push_pull(0, ra.versions)  # stale by one: dropped
-        done = subprocess.run(
-            wavelet_cmd("stats", *daemons.addresses),
-            env=CHILD_ENV,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = run_wavelet("stats", *daemons.addresses, timeout=60)
     finally:
         a.close(), b.close()
     assert done.returncode == 0, done.stderr

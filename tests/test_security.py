@@ -1,7 +1,10 @@
 """CURVE: shards accept only the clients whose public keys they were given."""
 
+import json
+
 import pytest
 import torch
+from conftest import run_wavelet
 from helpers import RawClient, client_for, tiny_model
 
 from wavelet.common.config import ConfigError
@@ -83,18 +86,13 @@ def test_binding_beyond_loopback_needs_keys_or_insecure():
 
 @pytest.mark.timeout(180)
 def test_launch_with_curve_trains_through_encrypted_links(tmp_path):
-    import json
-    import subprocess
-
-    from conftest import CHILD_ENV, wavelet_cmd
-
     run_dir = tmp_path / "run"
-    done = subprocess.run(wavelet_cmd("launch", "--curve", "--epochs", "2", "--run-dir",
-                                      str(run_dir)),
-                          env=CHILD_ENV, capture_output=True, text=True, timeout=170)
+    done = run_wavelet("launch", "--curve", "--epochs", "2", "--run-dir", str(run_dir), timeout=170)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["samples"] > 0
     assert (run_dir / "keys" / "server" / "server.key_secret").exists()
     assert sorted(p.name for p in (run_dir / "keys" / "authorized").iterdir()) == [
-        "launcher.key", "worker-0.key"]
+        "launcher.key",
+        "worker-0.key",
+    ]
     assert json.loads((run_dir / "launch.json").read_text())["curve"] is True

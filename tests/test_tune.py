@@ -1,10 +1,8 @@
 """``wavelet tune`` on a tiny sweep: a complete table, a plot, and a consistent recommendation."""
 
-import subprocess
-
 import matplotlib.image
 import pytest
-from conftest import CHILD_ENV, wavelet_cmd
+from conftest import run_wavelet
 
 from wavelet.common.metrics import RunMetrics
 from wavelet.scripts.tune import Setting, SettingResult, recommend, settings_for
@@ -37,27 +35,22 @@ def test_recommendation_prefers_time_to_target_then_final_accuracy():
 @pytest.mark.timeout(300)
 def test_tiny_sweep_produces_a_complete_report(tmp_path):
     out = tmp_path / "tune"
-    done = subprocess.run(
-        wavelet_cmd(
-            "tune",
-            "--bounds",
-            "0,inf",
-            "--policies",
-            "apply,drop",
-            "--epochs",
-            "2",
-            "--set",
-            "slow_wave=1",
-            "--set",
-            "slow_factor=2",
-            "--target-acc",
-            "0.6",
-            "--out",
-            str(out),
-        ),
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
+    done = run_wavelet(
+        "tune",
+        "--bounds",
+        "0,inf",
+        "--policies",
+        "apply,drop",
+        "--epochs",
+        "2",
+        "--set",
+        "slow_wave=1",
+        "--set",
+        "slow_factor=2",
+        "--target-acc",
+        "0.6",
+        "--out",
+        str(out),
         timeout=290,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
