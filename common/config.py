@@ -28,6 +28,48 @@ class ConfigError(ValueError):
     """A bad configuration value; the message says which and what would be accepted."""
 
 
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    choices: tuple = (),
+    flag: str | None = None,
+    allow_inf: bool = False,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A config field with what its command-line flag shows: ``help`` (one line), ``choices``,
+    the flag's name (``flag``; derived from the field's name when None, no flag when ""), and
+    whether the float may be infinite. ``scripts/cli.py`` builds every flag from this."""
+    metadata = {"help": help, "choices": tuple(choices), "flag": flag, "allow_inf": allow_inf}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def check_settings(config: Any, prefix: str = "") -> None:
+    """Checks every config shares: no NaN anywhere, no infinity where the field does not allow
+    one (only a staleness bound may be inf), and ``choices`` respected."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        allow_inf = f.metadata.get("allow_inf", False)
+        _check_finite(prefix + f.name, value, allow_inf)
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            _one_of(prefix + f.name, value, choices)
+
+
+def _check_finite(name: str, value: Any, allow_inf: bool = False) -> None:
+    if isinstance(value, float):
+        if math.isnan(value) or (math.isinf(value) and not allow_inf):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(f"{name}.{k}", v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _check_finite(name, v)
+
+
 def _optimizer_names() -> dict[str, str]:
     """Lower-case name -> class name of every optimizer in torch.optim."""
     found = {}
@@ -48,15 +90,26 @@ _OPTIMIZERS = _optimizer_names()
 OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sgd": {"momentum": 0.7}}
 
 
+MODES = ("ps", "allreduce")
+# Names of ps/policy.py's policies (kept here so config has no dependency on the ps package).
+STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
+SCHEDULES = ("ticktock", "together")
+BUILTIN_MODELS = ("mlp", "digits_cnn", "resnet18")  # common/models.py; or package.module:function
+BUILTIN_DATASETS = ("digits", "synthetic")  # common/datasets.py; or package.module:function
+
+
 @dataclass
 class OptimizerConfig:
     """A ``torch.optim`` optimizer by name (case-insensitive) with its keyword arguments."""
 
-    name: str = "sgd"
-    lr: float = 0.05
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    name: str = setting("sgd", help="torch.optim optimizer by name, e.g. sgd, adam, adamw")
+    lr: float = setting(0.05, help="learning rate (the schedule scales it over the job)")
+    kwargs: dict[str, Any] = setting(
+        default_factory=dict, help="the optimizer's other arguments, e.g. momentum", flag=""
+    )
 
     def __post_init__(self) -> None:
+        check_settings(self, "optimizer.")
         if self.name.lower() not in _OPTIMIZERS:
             raise ConfigError(
                 f"optimizer {self.name!r} is not in torch.optim; choose one of "
@@ -73,7 +126,7 @@ class OptimizerConfig:
         cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
         kwargs = self.effective_kwargs
         # The fused kernels update in one pass: 2x (SGD) to 4x (Adam) faster on a shard's chunks
-        # (scripts/bench_ps.py). Used where the optimizer has one, unless the job says otherwise.
+        # (benchmarks/bench_ps.py). Used where the optimizer has one, unless the job says otherwise.
         if "fused" in inspect.signature(cls).parameters and not {"fused", "foreach"} & set(kwargs):
             if all(p.is_floating_point() for p in params):
                 kwargs = {**kwargs, "fused": True}
@@ -89,40 +142,71 @@ class OptimizerConfig:
 class JobConfig:
     """One training job, as every shard and worker sees it."""
 
-    model: str = "digits_cnn"  # built-in name or "package.module:function"
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    dataset: str = "digits"  # built-in name or "package.module:function"
-    dataset_kwargs: dict[str, Any] = field(default_factory=dict)
-    batch_size: int = 32  # per wave
-    epochs: int = 15
-    max_seconds: float = 0.0  # wall-clock budget per wave; 0 means epochs alone decide
-    seed: int = 0
-    waves: int = 2  # waves per device: 2 is tick-tock, 1 the single-wave baseline
-    shards: int = 2
-    chunk_mib: float = 4.0  # large tensors are cut into chunks of at most this size
-    staleness: float = 1  # 0 bulk-synchronous, k stale-synchronous, inf asynchronous
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    lr_schedule: str = "cosine"  # constant | cosine, over the job's budget
-    stale_policy: str = "apply"  # apply | scale | drop | dc-asgd (see ps/policy.py)
-    drop_limit: int = 4  # drop policy: gradients staler than this are dropped
-    dc_lambda: float = 0.04  # dc-asgd: strength of the delay compensation
-    eval_every: int = 1  # epochs between test-accuracy records (0: only at the end)
-    memory_trace_iters: int = 40  # iterations per wave whose saved-activation timeline is kept
-    request_timeout_s: float = 300.0  # longest wait for a shard's reply, parking included
-    baton_timeout_s: float = 30.0  # a wave stalled this long loses its turn to forward
+    model: str = setting(
+        "digits_cnn",
+        help="model: " + ", ".join(BUILTIN_MODELS) + ", or package.module:function",
+    )
+    model_kwargs: dict[str, Any] = setting(
+        default_factory=dict, help="the model factory's keyword arguments", flag=""
+    )
+    dataset: str = setting(
+        "digits",
+        help="dataset: " + ", ".join(BUILTIN_DATASETS) + ", or package.module:function",
+    )
+    dataset_kwargs: dict[str, Any] = setting(
+        default_factory=dict, help="the dataset factory's keyword arguments", flag=""
+    )
+    batch_size: int = setting(32, help="samples per step, per wave")
+    epochs: int = setting(15, help="passes over each wave's part of the data")
+    max_seconds: float = setting(0.0, help="wall-clock budget per wave; 0: epochs alone decide")
+    seed: int = setting(0, help="seed of the model, the data split and the batches")
+    waves: int = setting(2, help="waves per device: 2 is tick-tock, 1 the single-wave baseline")
+    shards: int = setting(2, help="parameter-server shards")
+    chunk_mib: float = setting(4.0, help="large tensors are cut into chunks of at most this size")
+    staleness: float = setting(
+        1,
+        help="staleness bound: 0 bulk-synchronous, k stale-synchronous, inf asynchronous",
+        allow_inf=True,
+    )
+    optimizer: OptimizerConfig = setting(
+        default_factory=OptimizerConfig, help="the shards' optimizer", flag=""
+    )
+    lr_schedule: str = setting(
+        "cosine", help="learning-rate schedule over the job's budget", choices=LR_SCHEDULES
+    )
+    stale_policy: str = setting(
+        "apply",
+        help="what shards do with a stale gradient (see ps/policy.py)",
+        choices=STALE_POLICIES,
+    )
+    drop_limit: int = setting(4, help="drop policy: gradients staler than this are dropped")
+    dc_lambda: float = setting(0.04, help="dc-asgd: strength of the delay compensation")
+    eval_every: int = setting(1, help="epochs between test-accuracy records (0: only at the end)")
+    memory_trace_iters: int = setting(
+        40, help="iterations per wave whose saved-activation timeline is kept"
+    )
+    request_timeout_s: float = setting(
+        300.0, help="longest wait for a shard's reply, parking included"
+    )
+    baton_timeout_s: float = setting(30.0, help="a wave stalled this long loses its forward turn")
     # Workers heartbeat their live waves every heartbeat_s; a shard that hears nothing from a
     # wave for wave_timeout_s drops it from the membership, so it no longer holds others back.
-    heartbeat_s: float = 1.0
-    wave_timeout_s: float = 30.0
+    heartbeat_s: float = setting(1.0, help="seconds between a worker's heartbeats to the shards")
+    wave_timeout_s: float = setting(
+        30.0, help="a shard drops a wave it has not heard from for this long"
+    )
     # The baton passes once the holder's backward has freed all but this fraction of its saved
     # activations; 1.0 passes it the moment the forward ends (see docs/design.md).
-    baton_handoff: float = 0.3
+    baton_handoff: float = setting(
+        0.3, help="pass the baton once backward freed all but this fraction of activations"
+    )
     # A straggler, for experiments: wave number slow_wave (counted over the whole job, -1 for
     # none) takes slow_factor times as long per iteration.
-    slow_wave: int = -1
-    slow_factor: float = 1.0
+    slow_wave: int = setting(-1, help="experiments: this wave (job-wide index) is a straggler")
+    slow_factor: float = setting(1.0, help="experiments: the straggler's slowdown factor")
 
     def __post_init__(self) -> None:
+        check_settings(self)
         for name in ("batch_size", "waves", "shards"):
             _positive(name, getattr(self, name))
         for name in ("epochs", "eval_every", "memory_trace_iters", "seed"):
@@ -141,8 +225,6 @@ class JobConfig:
             raise ConfigError(f"baton_handoff must be in [0, 1], got {self.baton_handoff!r}")
         if self.slow_factor < 1.0:
             raise ConfigError(f"slow_factor must be >= 1, got {self.slow_factor!r}")
-        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _one_of("stale_policy", self.stale_policy, STALE_POLICIES)
         _non_negative("drop_limit", self.drop_limit)
         _non_negative("dc_lambda", self.dc_lambda)
         if self.epochs == 0 and self.max_seconds == 0:
@@ -162,28 +244,48 @@ class JobConfig:
 class PSConfig:
     """One parameter-server shard daemon."""
 
-    job: JobConfig = field(default_factory=JobConfig)
-    shard_index: int = 0
-    bind: str = "tcp://127.0.0.1:0"  # port 0 picks a free port; the bound address is announced
-    expect_waves: int = 0  # pulls at clock 0 wait until this many waves registered (0: none)
-    ready_file: str = ""  # where to write the bound address once listening
-    run_dir: str = ""  # per-push records and checkpoints go here (none if empty)
-    threads: int = 1
+    job: JobConfig = setting(default_factory=JobConfig, help="the job", flag="")
+    shard_index: int = setting(0, help="which shard of the job this daemon serves")
+    bind: str = setting(
+        "tcp://127.0.0.1:0", help="ZeroMQ address to listen on; port 0 picks a free one"
+    )
+    expect_waves: int = setting(
+        0, help="hold first pulls until this many waves registered (0: no barrier)"
+    )
+    ready_file: str = setting("", help="write the bound address here once listening")
+    run_dir: str = setting(
+        "",
+        help="per-push records, checkpoints and the admin token go here; a shard restarted "
+        "with the same run dir resumes from its last checkpoint",
+    )
+    threads: int = setting(1, help="torch threads of the shard process")
     # Limits, so that no client can exhaust the shard's memory: larger messages are dropped by
     # ZeroMQ (the connection is closed), pulls parked beyond max_parked get an error reply.
-    max_message_mib: float = 1024.0
-    max_parked: int = 4096
+    max_message_mib: float = setting(1024.0, help="larger messages are dropped")
+    max_parked: int = setting(4096, help="pulls held back by the staleness bound at once, at most")
     # Checkpoints (into run_dir/checkpoints): every N updates and/or every S seconds (0: never),
     # and always when the daemon stops. A restarted shard resumes from its last checkpoint.
-    checkpoint_every: int = 0
-    checkpoint_every_s: float = 0.0
+    checkpoint_every: int = setting(0, help="checkpoint every N updates (0: only when stopping)")
+    checkpoint_every_s: float = setting(
+        0.0, help="checkpoint every S seconds (0: only when stopping)"
+    )
     # CURVE (common/security.py): this shard's secret key file and the folder of the public keys
     # of the clients it accepts. Binding beyond loopback without them needs insecure = True.
-    curve_secret: str = ""
-    curve_authorized: str = ""
-    insecure: bool = False
+    curve_secret: str = setting("", help="CURVE: this shard's .key_secret file (wavelet keys)")
+    curve_authorized: str = setting(
+        "", help="CURVE: folder of the public .key files of the clients to accept"
+    )
+    insecure: bool = setting(
+        False, help="allow binding beyond loopback without CURVE (traffic in the clear)"
+    )
+    admin_token_file: str = setting(
+        "",
+        help="file of the token checkpoint and shutdown requests need (made 0600 if missing; "
+        "default RUN_DIR/admin.token)",
+    )
 
     def __post_init__(self) -> None:
+        check_settings(self)
         _non_negative("shard_index", self.shard_index)
         if bool(self.curve_secret) != bool(self.curve_authorized):
             raise ConfigError("CURVE needs both --curve-secret and --curve-authorized")
@@ -197,36 +299,63 @@ class PSConfig:
             )
         _non_negative("expect_waves", self.expect_waves)
         _positive("threads", self.threads)
-        _check_address("bind", self.bind)
+        check_address("bind", self.bind)
+
+    @property
+    def admin_token_path(self) -> str:
+        """Where the admin token is ("" when the shard has neither a token file nor a run dir)."""
+        if self.admin_token_file:
+            return self.admin_token_file
+        return str(Path(self.run_dir) / "admin.token") if self.run_dir else ""
 
 
 @dataclass
 class WorkerConfig:
     """One worker daemon: the waves of one device."""
 
-    job: JobConfig = field(default_factory=JobConfig)
-    shard_addresses: list[str] = field(default_factory=list)
-    device: str = "cpu"
-    rank: int = 0  # this worker's index among num_workers
-    num_workers: int = 1
-    threads: int = 0  # torch intra-op threads for this process; 0 picks cores / processes
-    run_dir: str = "runs/latest"
-    mode: str = "ps"  # ps: waves through the shards; allreduce: one DDP rank
-    device_index: int = -1  # which physical device this is, for memory reports (-1: rank)
-    resume: bool = False  # go on from the clocks the shards restored from their checkpoints
-    curve_secret: str = ""  # CURVE: this worker's secret key file...
-    curve_server_key: str = ""  # ...and the shards' public key file
+    job: JobConfig = setting(default_factory=JobConfig, help="the job", flag="")
+    shard_addresses: list[str] = setting(
+        default_factory=list,
+        help="a shard's address, once per shard, in shard order (ps mode)",
+        flag="--shard",
+    )
+    device: str = setting("cpu", help="the device whose waves this daemon runs: cpu, cuda:N")
+    rank: int = setting(0, help="this worker's index among --num-workers")
+    num_workers: int = setting(1, help="worker daemons in the job")
+    threads: int = setting(0, help="torch threads of this process (0: all cores)")
+    run_dir: str = setting("runs/latest", help="where records go")
+    mode: str = setting(
+        "ps",
+        help="ps: waves through the shards; allreduce: one DDP rank, rendezvous from "
+        "torchrun's env:// variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)",
+        choices=MODES,
+    )
+    schedule: str = setting(
+        "ticktock",
+        help="ticktock: forwards take turns; together: waves start at once",
+        choices=SCHEDULES,
+    )
+    device_index: int = setting(
+        -1,
+        help="physical device number for memory reports, when several workers share a device "
+        "(default: the rank)",
+    )
+    resume: bool = setting(
+        False, help="go on from the clocks the shards restored from their checkpoints"
+    )
+    curve_secret: str = setting("", help="CURVE: this worker's .key_secret file")
+    curve_server_key: str = setting("", help="CURVE: the shards' public .key file")
 
     def __post_init__(self) -> None:
-        _one_of("mode", self.mode, MODES)
+        check_settings(self)
         if self.mode == "ps" and len(self.shard_addresses) != self.job.shards:
             raise ConfigError(
                 f"got {len(self.shard_addresses)} shard addresses for a job of "
                 f"{self.job.shards} shards; pass one --shard address per shard, in shard order"
             )
         for a in self.shard_addresses:
-            _check_address("shard address", a)
-        _check_device(self.device)
+            check_address("shard address", a)
+        check_device(self.device)
         _positive("num_workers", self.num_workers)
         if not 0 <= self.rank < self.num_workers:
             raise ConfigError(f"rank {self.rank} is out of range for {self.num_workers} workers")
@@ -241,37 +370,59 @@ class WorkerConfig:
 class LaunchConfig:
     """A whole job on this machine: the shards and one worker per device."""
 
-    job: JobConfig = field(default_factory=JobConfig)
-    devices: list[str] = field(default_factory=lambda: ["cpu"])
-    run_dir: str = ""  # default: runs/<timestamp>
-    host: str = "127.0.0.1"
-    curve: bool = False  # make CURVE keys for this job and use them between all its processes
-    insecure: bool = False  # allow a non-loopback host without CURVE
-    checkpoint_every: int = 0  # shards checkpoint every N updates (0: only when they stop)
-    checkpoint_every_s: float = 0.0
-    resume: bool = False  # run_dir holds a stopped job: restart it from its checkpoints
-    mode: str = "ps"  # ps | allreduce
-    schedule: str = "ticktock"  # ps mode: ticktock (forwards take turns) | together
+    job: JobConfig = setting(default_factory=JobConfig, help="the job", flag="")
+    devices: list[str] = setting(
+        default_factory=lambda: ["cpu"],
+        help="comma-separated devices, one worker each: cpu, cuda:0,cuda:1, or cpu,cpu for two "
+        "CPU workers",
+    )
+    run_dir: str = setting("", help="where logs, records and checkpoints go (default runs/<time>)")
+    host: str = setting("127.0.0.1", help="address the shards bind")
+    curve: bool = setting(
+        False,
+        help="make CURVE keys (in the run dir) and encrypt and authenticate all of the job's "
+        "traffic with them",
+    )
+    insecure: bool = setting(False, help="allow a non-loopback --host without --curve")
+    checkpoint_every: int = setting(
+        0, help="shards checkpoint every N updates (0: only when they stop)"
+    )
+    checkpoint_every_s: float = setting(
+        0.0, help="shards checkpoint every S seconds (0: only when they stop)"
+    )
+    resume: bool = setting(False, help="run_dir holds a stopped job: restart it", flag="")
+    mode: str = setting(
+        "ps",
+        help="ps: waves through the shards; allreduce: DDP over torch.distributed (gloo on "
+        "CPU, NCCL on GPU), the baseline",
+        choices=MODES,
+    )
+    schedule: str = setting(
+        "ticktock",
+        help="ps mode: ticktock (forwards take turns) or together (waves start at once)",
+        choices=SCHEDULES,
+    )
     # Worker processes (ps mode) or DDP ranks (allreduce mode) per device; 2 gives the
     # "two tasks on one device" baselines.
-    processes_per_device: int = 1
-    threads: int = 0  # torch threads per worker process; 0 sizes pools to the cores
+    processes_per_device: int = setting(
+        1,
+        help="worker processes (ps) or DDP ranks (allreduce) per device; 2 runs two tasks on "
+        "each device side by side, the baseline tick-tock is compared with",
+        choices=(1, 2),
+    )
+    threads: int = setting(
+        0,
+        help="torch threads per worker process (0: the cores divided among the waves that "
+        "run at once)",
+    )
 
     def __post_init__(self) -> None:
+        check_settings(self)
         if not self.devices:
             raise ConfigError("devices is empty: name at least one device, e.g. cpu or cuda:0")
         for d in self.devices:
-            _check_device(d)
-        _one_of("mode", self.mode, MODES)
-        _one_of("schedule", self.schedule, SCHEDULES)
-        _one_of("processes_per_device", self.processes_per_device, (1, 2))
+            check_device(d)
         _non_negative("threads", self.threads)
-
-
-MODES = ("ps", "allreduce")
-# Names of ps/policy.py's policies (kept here so config has no dependency on the ps package).
-STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
-SCHEDULES = ("ticktock", "together")
 
 
 def _one_of(name: str, value: Any, allowed: tuple) -> None:
@@ -289,18 +440,46 @@ def _non_negative(name: str, value: float) -> None:
         raise ConfigError(f"{name} must be >= 0, got {value!r}")
 
 
-def _check_address(what: str, address: str) -> None:
-    if not address.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ConfigError(f"{what} {address!r} is not a ZeroMQ address like tcp://127.0.0.1:5555")
+def check_address(what: str, address: str) -> None:
+    """The one check of a ZeroMQ address for every command: tcp://HOST:PORT (PORT a number,
+    0 or * for any), ipc://PATH or inproc://NAME."""
+    example = "like tcp://127.0.0.1:5555"
+    if not isinstance(address, str) or "://" not in address:
+        raise ConfigError(f"{what} {address!r} is not a ZeroMQ address {example}")
+    scheme, rest = address.split("://", 1)
+    if scheme in ("ipc", "inproc"):
+        if not rest:
+            raise ConfigError(f"{what} {address!r} names no {scheme} endpoint")
+        return
+    if scheme != "tcp":
+        raise ConfigError(f"{what} {address!r}: use tcp://, ipc:// or inproc:// ({example})")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"{what} {address!r} needs a host and a port, {example}")
+    if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+        raise ConfigError(f"{what} {address!r}: port {port!r} is not a number from 0 to 65535")
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
+    """A device this machine has: cpu, or cuda:N with N below the CUDA device count."""
     try:
         d = torch.device(device)
     except RuntimeError:
         raise ConfigError(f"device {device!r} is not a torch device like cpu or cuda:0") from None
     if d.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {device!r}: only cpu and cuda devices are supported")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {device!r}: this machine has no usable CUDA device (torch "
+                f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use cpu"
+            )
+        count = torch.cuda.device_count()
+        if d.index is not None and d.index >= count:
+            raise ConfigError(
+                f"device {device!r}: this machine has {count} CUDA device(s), cuda:0 to "
+                f"cuda:{count - 1}"
+            )
 
 
 # --- building configs from dictionaries (TOML files, --set overrides) ----------------------------
@@ -338,8 +517,8 @@ def _coerce(kind: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be a table, got {value!r}")
         return dict(value)
     if kind is float:
-        if isinstance(value, str) and value.lower() in ("inf", "infinity"):
-            return INF
+        if isinstance(value, str) and value.lower() in ("inf", "infinity", "+inf"):
+            return INF  # a field that allows no infinity says so in check_settings
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
     elif kind is int:

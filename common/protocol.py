@@ -8,7 +8,9 @@ Nothing here unpickles anything.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +57,13 @@ class ErrorCode(enum.StrEnum):
     STALE_CLOCK = "stale_clock"
     SHUTTING_DOWN = "shutting_down"
     LIMIT = "limit"
+    UNAUTHORIZED = "unauthorized"
     INTERNAL = "internal"
+
+
+def wave_name(worker: str, wave: int) -> str:
+    """The one name of a wave in records, logs and stats: worker, slash, index (``w0/1``)."""
+    return f"{worker}/{wave}"
 
 
 class ProtocolError(Exception):
@@ -67,14 +75,41 @@ class ProtocolError(Exception):
         self.message = message
 
 
-class RemoteError(RuntimeError):
-    """An ``error`` reply, raised on the client side."""
+class ShardError(Exception):
+    """Base of every failure a client sees when talking to a shard; catch this one."""
+
+
+class ShardTimeout(ShardError, TimeoutError):
+    """A shard did not take or answer a request in time (down, unreachable, wrong keys)."""
+
+    def __init__(self, message: str, addresses: Sequence[str] = ()):
+        super().__init__(message)
+        self.addresses = list(addresses)
+
+
+class RemoteError(ShardError):
+    """An ``error`` reply: the shard refused the request with ``code``."""
 
     def __init__(self, code: str, message: str, address: str = ""):
         where = f" from {address}" if address else ""
         super().__init__(f"shard error{where}: [{code}] {message}")
         self.code = code
         self.message = message
+        self.address = address
+
+
+class NotRegistered(RemoteError):
+    """The shard does not (or no longer) count this wave as a member; register again."""
+
+
+def raise_for_error(header: Header, address: str = "") -> None:
+    """Raise the client-side error an ``error`` reply stands for; nothing for other replies."""
+    if header.op != Op.ERROR:
+        return
+    code = str(header.body.get("code", "?"))
+    message = str(header.body.get("message", ""))
+    cls = NotRegistered if code == ErrorCode.NOT_REGISTERED else RemoteError
+    raise cls(code, message, address)
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -193,6 +228,195 @@ class Header:
         except (TypeError, ValueError) as e:
             raise ProtocolError(ErrorCode.MALFORMED, str(e)) from None
         return h
+
+
+# --- typed bodies ------------------------------------------------------------------------------
+# Each op's body is a frozen dataclass, checked against its annotations in one place on receipt,
+# so handlers never look into a raw dict.
+
+
+@dataclass(frozen=True)
+class Body:
+    """Base of typed message bodies. Unknown fields and wrong types are malformed messages."""
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any], what: str = "") -> Any:
+        what = what or cls.__name__
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ProtocolError(
+                ErrorCode.MALFORMED, f"{what}: unknown field {unknown[0]!r}; known: {names}"
+            )
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in data:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise ProtocolError(ErrorCode.MALFORMED, f"{what} needs body.{f.name}")
+                continue
+            kwargs[f.name] = _body_value(hints[f.name], data[f.name], f"{what}: body.{f.name}")
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{what}: {e}") from None
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _body_value(kind: Any, value: Any, what: str) -> Any:
+    origin = typing.get_origin(kind)
+    try:
+        if origin is list:
+            (item,) = typing.get_args(kind)
+            return [_check(v, item, what + " item") for v in _check(value, list, what)]
+        if origin is dict or kind is dict:
+            return _check(value, dict, what)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return _check(value, kind, what)
+    except TypeError as e:
+        raise ProtocolError(ErrorCode.MALFORMED, str(e)) from None
+
+
+@dataclass(frozen=True)
+class RegisterRequest(Body):
+    resume: bool = False  # join at the clock the shard kept for this wave (a resumed job)
+    exact: bool = False  # join at exactly the header's clock (re-joining a restarted shard)
+
+
+@dataclass(frozen=True)
+class InitRequest(Body):
+    trainable: list[bool]  # one flag per key: trained by the optimizer, or a buffer
+
+
+@dataclass(frozen=True)
+class PullRequest(Body):
+    observer: bool = False  # evaluation and tools: read the current weights, never park
+
+
+@dataclass(frozen=True)
+class PushRequest(Body):
+    lr_scale: float = 1.0  # the job's learning-rate schedule at this clock
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lr_scale <= 1.0:
+            raise ValueError(f"lr_scale must be a number in [0, 1], got {self.lr_scale!r}")
+
+
+@dataclass(frozen=True)
+class HeartbeatRequest(Body):
+    waves: list[int]  # indices of the sending worker's live waves
+
+
+@dataclass(frozen=True)
+class EmptyRequest(Body):
+    pass
+
+
+@dataclass(frozen=True)
+class AdminRequest(Body):
+    token: str = ""  # the shard's admin token (run dir's admin.token), for checkpoint/shutdown
+
+
+REQUEST_BODIES: dict[str, type[Body]] = {
+    Op.REGISTER: RegisterRequest,
+    Op.INIT: InitRequest,
+    Op.PULL: PullRequest,
+    Op.PUSH: PushRequest,
+    Op.PUSH_PULL: PushRequest,
+    Op.LEAVE: EmptyRequest,
+    Op.HEARTBEAT: HeartbeatRequest,
+    Op.STATS: EmptyRequest,
+    Op.CHECKPOINT: AdminRequest,
+    Op.SHUTDOWN: AdminRequest,
+}
+
+
+def request_body(header: Header) -> Any:
+    """The typed body of a request; raises ``ProtocolError`` for an unknown op or a bad body."""
+    cls = REQUEST_BODIES.get(header.op)
+    if cls is None:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_OP,
+            f"unknown op {header.op!r}; known: " + ", ".join(str(o) for o in REQUEST_BODIES),
+        )
+    return cls.from_wire(header.body, str(header.op))
+
+
+@dataclass(frozen=True)
+class Ack(Body):
+    version: int  # the shard's version when it answered
+
+
+@dataclass(frozen=True)
+class RegisterReply(Body):
+    version: int
+    clock: int  # the clock the shard placed this wave at
+    initialized: bool  # False: the shard holds no weights yet and needs an init
+    lost_updates: int = 0  # updates this shard lost to a restart from an older checkpoint
+
+
+@dataclass(frozen=True)
+class InitReply(Body):
+    version: int
+    seeded: bool  # this init seeded the shard (False: it already held weights)
+
+
+@dataclass(frozen=True)
+class PushReply(Body):
+    version: int
+    action: str  # what became of the gradient: applied, dropped, accumulated
+
+
+@dataclass(frozen=True)
+class WeightsReply(Body):
+    version: int  # the version every tensor of this reply carries
+    clock: int
+    parked_s: float  # how long the staleness bound held the read back
+    slowest_clock: int  # slowest live wave's clock when the read was served (-1: none)
+    action: str = ""  # with push_pull: what became of the pushed gradient
+
+
+@dataclass(frozen=True)
+class CheckpointReply(Body):
+    version: int
+    path: str
+
+
+@dataclass(frozen=True)
+class StatsReply(Body):
+    version: int
+    shard: int
+    staleness_bound: str
+    parked_now: int
+    rejected: int
+    checkpoint_failures: int
+    waves: dict[str, Any]
+
+
+REPLY_BODIES: dict[str, type[Body]] = {
+    Op.REGISTER: RegisterReply,
+    Op.INIT: InitReply,
+    Op.PULL: WeightsReply,
+    Op.PUSH: PushReply,
+    Op.PUSH_PULL: WeightsReply,
+    Op.LEAVE: Ack,
+    Op.HEARTBEAT: Ack,
+    Op.STATS: StatsReply,
+    Op.CHECKPOINT: CheckpointReply,
+    Op.SHUTDOWN: Ack,
+}
+
+
+def reply_body(op: str, header: Header) -> Any:
+    """The typed body of a reply to ``op`` (a malformed reply raises ``ProtocolError``)."""
+    return REPLY_BODIES[op].from_wire(header.body, f"reply to {op}")
+
+
+def reply_header(request_id: int, body: Body) -> Header:
+    return Header(op=Op.REPLY, request_id=request_id, body=body.to_wire())
 
 
 def _check(value: Any, kind: type, what: str) -> Any:

@@ -36,6 +36,25 @@ def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
+def last_record(path: str | Path) -> dict[str, Any] | None:
+    """The last complete record of ``path`` (None if there is no such file or record)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    complete = tail.rsplit("\n", 1)[0] if not tail.endswith("\n") else tail
+    for line in reversed(complete.splitlines()):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the first line of the tail may be cut
+    return None
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import secrets
 import socket as pysocket
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from wavelet.common.config import ConfigError
 
-log = logging.getLogger("wavelet")
+log = logging.getLogger(__name__)
 
 
 def generate_keys(folder: str | Path, name: str) -> tuple[Path, Path]:
@@ -151,3 +153,39 @@ def check_bind(address: str, secure: bool, insecure: bool) -> None:
         "who can reach it can read and change the model",
         address,
     )
+
+
+# --- the admin token ------------------------------------------------------------------------------
+# checkpoint and shutdown change a shard's life, so they need a secret that only the user who
+# started the job can read: a random token in the run dir, mode 0600, made by whichever of the
+# launcher or the shards comes first.
+
+ADMIN_TOKEN_FILE = "admin.token"
+
+
+def admin_token_file(run_dir: str | Path) -> Path:
+    return Path(run_dir) / ADMIN_TOKEN_FILE
+
+
+def load_admin_token(path: str | Path, create: bool = True) -> str:
+    """The token in ``path``; with ``create``, a new one is written there first if none is."""
+    path = Path(path)
+    if create and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        try:
+            os.link(tmp, path)  # atomic, and never replaces a token another process wrote
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read the admin token {path}: {e.strerror}") from None
+    if not token:
+        raise ConfigError(f"the admin token file {path} is empty")
+    return token

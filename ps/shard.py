@@ -1,12 +1,13 @@
 """One shard's state: its chunks of the model, the server-side optimizer, and the version counter.
 
-No networking here (that is ``ps/server.py``): the shard validates what it is given and changes its
-parameters only once a whole push has been validated, so a bad request never leaves half an update.
+No networking here (that is ``ps/server.py``; the rules are ``ps/service.py``): the shard validates
+what it is given and changes its parameters only once a whole push has been validated, so a bad
+request never leaves half an update.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +32,12 @@ class Shard:
     ``num_batches_tracked`` take the maximum), so evaluation sees statistics from all the data.
     """
 
-    def __init__(self, optimizer: OptimizerConfig):
+    def __init__(
+        self, optimizer: OptimizerConfig, weights_in_use: Callable[[], bool] = lambda: False
+    ):
         self.optimizer_config = optimizer
+        self.weights_in_use = weights_in_use
+        self.detached = 0  # updates that first moved the parameters to fresh memory
         self.plan = ""
         self.specs: list[ChunkSpec] = []
         self.params: dict[int, torch.nn.Parameter] = {}
@@ -142,6 +147,7 @@ class Shard:
     def apply(self, grads: dict[int, torch.Tensor], lr_scale: float = 1.0) -> None:
         """One optimizer step with ``grads`` (already validated); bumps the version."""
         assert self.optimizer is not None
+        self._own_weights()
         for key, p in self.params.items():
             p.grad = grads[key]
         if lr_scale != 1.0:
@@ -155,6 +161,17 @@ class Shard:
         for p in self.params.values():
             p.grad = None
         self.version += 1
+
+    def _own_weights(self) -> None:
+        """Replies still being sent point at the parameters' memory (zero copy). Rather than wait
+        for them (a client that never reads would stall the shard), move the parameters to fresh
+        memory: those replies keep the old memory, and the version they were sent with, until
+        ZeroMQ lets go of it. Optimizer state stays keyed by the same Parameter objects."""
+        if not self.weights_in_use():
+            return
+        for p in self.params.values():
+            p.data = p.data.clone()
+        self.detached += 1
 
     def values(self) -> list[torch.Tensor]:
         """Current value of every chunk, in plan order (parameters are returned without copy)."""

@@ -16,10 +16,6 @@ from typing import Any
 WaveId = tuple[str, int]  # (worker, wave index within that worker)
 
 
-def wave_name(wave: WaveId) -> str:
-    return f"{wave[0]}/{wave[1]}"
-
-
 class ClockTable:
     """Clocks of the waves that have registered; only live ones count towards the bound."""
 
@@ -36,9 +32,9 @@ class ClockTable:
     def seen(self, wave: WaveId) -> None:
         self.last_seen[wave] = time.monotonic()
 
-    def silent(self, timeout_s: float) -> list[WaveId]:
-        """Live waves not heard from for ``timeout_s``."""
-        now = time.monotonic()
+    def silent(self, timeout_s: float, now: float | None = None) -> list[WaveId]:
+        """Live waves not heard from for ``timeout_s`` (by ``now``, monotonic seconds)."""
+        now = time.monotonic() if now is None else now
         return [w for w in self.live if now - self.last_seen.get(w, now) > timeout_s]
 
     def leave(self, wave: WaveId) -> None:

@@ -1,4 +1,5 @@
-"""The ``wavelet`` command: ``launch``, ``ps``, ``worker`` and ``stats``.
+"""The ``wavelet`` command: ``launch``, ``ps``, ``worker``, ``compare``, ``tune``, ``stats``,
+``admin`` and ``keys``.
 
 Every subcommand that runs training reads a job from ``--config FILE`` (TOML or JSON), then applies
 the job flags (``--epochs 5``, ``--staleness inf``, ...) and ``--set key=value`` overrides.
@@ -11,9 +12,11 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import time
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -23,13 +26,18 @@ from wavelet.common.config import (
     ConfigError,
     JobConfig,
     LaunchConfig,
+    OptimizerConfig,
     PSConfig,
     WorkerConfig,
     apply_override,
+    check_address,
+    check_device,
     from_dict,
     load_toml,
     parse_override,
 )
+
+log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 
@@ -44,33 +52,111 @@ def _usage_exit(message: str) -> NoReturn:
     sys.exit(EXIT_USAGE)
 
 
-# --- job flags -------------------------------------------------------------------------------
+# --- flags, generated from the config dataclasses' field metadata ------------------------------
 
-_JOB_FLAGS = [
-    f.name
-    for f in dataclasses.fields(JobConfig)
-    if f.name != "optimizer" and not f.name.endswith("_kwargs")
-]
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "none"
+    return "none" if value == "" else str(value)
+
+
+def _flag_help(f: dataclasses.Field, default: Any) -> str:
+    text = f.metadata["help"]
+    choices = f.metadata.get("choices")
+    if choices:
+        text += "; one of " + ", ".join(map(str, choices))
+    if not isinstance(default, bool):
+        text += f" (default {_default_text(default)})"
+    return text
+
+
+def _number(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a{'n' if kind is int else ''} {kind.__name__}"
+            ) from None
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def add_config_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of config dataclass ``cls`` that has one (dest: the field's name)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = f.metadata.get("flag")
+        if flag == "" or f.name in skip:
+            continue
+        flag = flag or "--" + f.name.replace("_", "-")
+        kind, default = hints[f.name], _field_default(f)
+        kw: dict[str, Any] = {"dest": f.name, "help": _flag_help(f, default)}
+        if kind is bool:
+            p.add_argument(flag, action="store_true", **kw)
+        elif kind == list[str] and flag == "--shard":
+            p.add_argument(flag, action="append", default=None, metavar="ADDRESS", **kw)
+        elif kind == list[str]:
+            p.add_argument(flag, type=_comma_list, default=default, metavar="A,B", **kw)
+        else:
+            choices = f.metadata.get("choices") or None
+            p.add_argument(
+                flag,
+                type=_number(kind) if kind in (int, float) else str,
+                default=default,
+                choices=choices,
+                metavar="V" if not choices else None,
+                **kw,
+            )
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
+    """``cls`` from the flags ``add_config_flags`` made, plus ``fixed`` fields (the job)."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in fixed or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        kwargs[f.name] = [] if value is None and f.metadata.get("flag") == "--shard" else value
+    return cls(**kwargs, **fixed)
+
+
+_JOB_FIELDS = [f for f in dataclasses.fields(JobConfig) if f.metadata.get("flag") != ""]
+_OPTIMIZER_FLAGS = {"name": "--optimizer", "lr": "--lr"}
 
 
 def _add_job_flags(p: argparse.ArgumentParser) -> None:
+    """Job flags keep the text the user typed (None when not given), so that a --config file's
+    values stand unless a flag overrides them; job_from_args turns them into a JobConfig."""
     g = p.add_argument_group("job (override the --config file)")
     g.add_argument("--config", help="job file, TOML or JSON (see configs/)")
-    for name in _JOB_FLAGS:
-        default = JobConfig.__dataclass_fields__[name].default
+    for f in _JOB_FIELDS:
         g.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=f"job.{name}",
+            "--" + f.name.replace("_", "-"),
+            dest=f"job.{f.name}",
             metavar="V",
-            help=f"(default {default})",
+            help=_flag_help(f, _field_default(f)),
         )
-    g.add_argument(
-        "--optimizer",
-        dest="job.optimizer.name",
-        metavar="NAME",
-        help="torch.optim optimizer by name (default sgd)",
-    )
-    g.add_argument("--lr", dest="job.optimizer.lr", metavar="V", help="learning rate")
+    for f in dataclasses.fields(OptimizerConfig):
+        if f.name in _OPTIMIZER_FLAGS:
+            g.add_argument(
+                _OPTIMIZER_FLAGS[f.name],
+                dest=f"job.optimizer.{f.name}",
+                metavar="V",
+                help=_flag_help(f, _field_default(f)),
+            )
     g.add_argument(
         "--set",
         dest="overrides",
@@ -112,21 +198,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     if args.resume:
         return launch(_resumed(args.resume), quiet=args.quiet)
-    config = LaunchConfig(
-        job=job_from_args(args),
-        devices=args.devices.split(","),
-        run_dir=args.run_dir or "",
-        host=args.host,
-        mode=args.mode,
-        schedule=args.schedule,
-        processes_per_device=args.processes_per_device,
-        threads=args.threads,
-        curve=args.curve,
-        insecure=args.insecure,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_every_s=args.checkpoint_every_s,
-    )
-    return launch(config, quiet=args.quiet)
+    return launch(config_from_args(LaunchConfig, args, job=job_from_args(args)), quiet=args.quiet)
 
 
 def _resumed(run_dir: str) -> LaunchConfig:
@@ -141,27 +213,16 @@ def _resumed(run_dir: str) -> LaunchConfig:
 
 
 def _cmd_ps(args: argparse.Namespace) -> int:
-    from wavelet.ps.server import ShardServer
+    from wavelet.ps.server import BindError, ShardServer
 
-    config = PSConfig(
-        job=job_from_args(args),
-        shard_index=args.shard_index,
-        bind=args.bind,
-        expect_waves=args.expect_waves,
-        ready_file=args.ready_file or "",
-        run_dir=args.run_dir or "",
-        max_message_mib=args.max_message_mib,
-        max_parked=args.max_parked,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_every_s=args.checkpoint_every_s,
-        curve_secret=args.curve_secret,
-        curve_authorized=args.curve_authorized,
-        insecure=args.insecure,
-    )
+    config = config_from_args(PSConfig, args, job=job_from_args(args))
     import torch
 
     torch.set_num_threads(config.threads)
-    server = ShardServer(config)
+    try:
+        server = ShardServer(config)
+    except BindError as e:
+        raise ConfigError(str(e)) from None
     _on_signals(server.stop)
     print(f"shard {config.shard_index} listening on {server.address}", flush=True)
     server.serve_forever()
@@ -171,20 +232,7 @@ def _cmd_ps(args: argparse.Namespace) -> int:
 def _cmd_worker(args: argparse.Namespace) -> int:
     from wavelet.common.job import check_job
 
-    config = WorkerConfig(
-        job=job_from_args(args),
-        shard_addresses=args.shard,
-        device=args.device,
-        rank=args.rank,
-        num_workers=args.num_workers,
-        threads=args.threads,
-        run_dir=args.run_dir,
-        mode=args.mode,
-        device_index=args.device_index,
-        curve_secret=args.curve_secret,
-        curve_server_key=args.curve_server_key,
-        resume=args.resume,
-    )
+    config = config_from_args(WorkerConfig, args, job=job_from_args(args))
     if config.mode == "allreduce":
         from wavelet.worker.allreduce import AllReduceWorker
 
@@ -193,7 +241,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         from wavelet.worker.daemon import WorkerDaemon
 
         check_job(config.job, config.num_workers * config.job.waves)
-        daemon = WorkerDaemon(config, schedule=args.schedule)
+        daemon = WorkerDaemon(config)
     _on_signals(daemon.stop)
     return daemon.run()
 
@@ -204,7 +252,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
-        results = compare(job_from_args(args), args.devices.split(","), modes, out, args.target_acc)
+        results = compare(job_from_args(args), args.devices, modes, out, args.target_acc)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     print(format_table(results, args.target_acc))
@@ -217,18 +265,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         format_recommendation,
         format_table,
         parse_bounds,
+        parse_policies,
         settings_for,
         tune,
     )
 
     job = job_from_args(args)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for p in policies:
-        if p not in STALE_POLICIES:
-            raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(STALE_POLICIES)}")
-    settings = settings_for(parse_bounds(args.bounds), policies)
+    settings = settings_for(parse_bounds(args.bounds), parse_policies(args.policies))
+    for d in args.devices:
+        check_device(d)
     out = Path(args.out or f"runs/tune-{time.strftime('%Y%m%d-%H%M%S')}")
-    results = tune(job, args.devices.split(","), settings, out, args.target_acc)
+    results = tune(job, args.devices, settings, out, args.target_acc)
     print(format_table(results, args.target_acc))
     print(format_recommendation(results))
     print(f"report: {out / 'report.md'}")
@@ -236,11 +283,36 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from wavelet.common.security import ClientKeys
     from wavelet.scripts.stats import print_stats
 
-    keys = ClientKeys.load(args.curve_secret, args.curve_server_key) if args.curve_secret else None
-    return print_stats(args.addresses, timeout_s=args.timeout, keys=keys)
+    for a in args.addresses:
+        check_address("shard address", a)
+    return print_stats(args.addresses, timeout_s=args.timeout, keys=_client_keys(args))
+
+
+def _cmd_admin(args: argparse.Namespace) -> int:
+    from wavelet.common.protocol import Op, ShardError
+    from wavelet.common.security import admin_token_file, load_admin_token
+    from wavelet.worker.client import call_shard
+
+    for a in args.addresses:
+        check_address("shard address", a)
+    if bool(args.run_dir) == bool(args.token_file):
+        raise ConfigError("give the shards' admin token: --run-dir RUN_DIR or --token-file FILE")
+    path = args.token_file or admin_token_file(args.run_dir)
+    token = load_admin_token(path, create=False)
+    op = Op.CHECKPOINT if args.action == "checkpoint" else Op.SHUTDOWN
+    failed = 0
+    for a in args.addresses:
+        try:
+            h = call_shard(a, op, args.timeout, keys=_client_keys(args), body={"token": token})
+        except ShardError as e:
+            print(f"wavelet admin: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        where = f": {h.body['path']}" if "path" in h.body else ""
+        print(f"{a}: {args.action} done at version {h.body['version']}{where}")
+    return 1 if failed else 0
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
@@ -252,9 +324,17 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_keys(args: argparse.Namespace):
+    from wavelet.common.security import ClientKeys
+
+    if not args.curve_secret:
+        return None
+    return ClientKeys.load(args.curve_secret, args.curve_server_key)
+
+
 def _on_signals(stop: Callable[[], None]) -> None:
     def handler(signum, frame):
-        logging.getLogger("wavelet").info("received %s, shutting down", signal.Signals(signum).name)
+        log.info("received %s, shutting down", signal.Signals(signum).name)
         stop()
 
     signal.signal(signal.SIGINT, handler)
@@ -262,100 +342,51 @@ def _on_signals(stop: Callable[[], None]) -> None:
 
 
 def _add_client_key_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--curve-secret", default="", metavar="FILE", help="CURVE: this client's .key_secret file"
-    )
-    p.add_argument(
-        "--curve-server-key", default="", metavar="FILE", help="CURVE: the shards' public .key file"
+    add_config_flags(
+        p,
+        WorkerConfig,
+        skip=tuple(
+            f.name for f in dataclasses.fields(WorkerConfig) if not f.name.startswith("curve_")
+        ),
     )
 
 
 def _add_sweep_flags(p: argparse.ArgumentParser, name: str) -> None:
     """What compare and tune share: where to run, where to write, what accuracy to aim for."""
-    p.add_argument("--devices", default="cpu")
+    add_config_flags(
+        p,
+        LaunchConfig,
+        skip=tuple(f.name for f in dataclasses.fields(LaunchConfig) if f.name != "devices"),
+    )
     p.add_argument("--out", help=f"report directory (default runs/{name}-<time>)")
     p.add_argument(
         "--target-acc",
-        type=float,
+        type=_number(float),
         default=0.97,
         help="test accuracy for the time-to-accuracy column (default 0.97)",
     )
 
 
-def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=0,
-        metavar="N",
-        help="shards checkpoint every N updates (0: only when they stop)",
-    )
-    p.add_argument(
-        "--checkpoint-every-s",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="shards checkpoint every S seconds (0: only when they stop)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from wavelet.scripts.compare import MODES as COMPARE_MODES
+
     p = _Parser(
         prog="wavelet",
         description="Tick-tock data-parallel training on a sharded parameter server.",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="how much the daemons log (default INFO)",
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     launch = sub.add_parser(
         "launch", help="run a whole job on this machine (the default job trains the digits CNN)"
     )
     _add_job_flags(launch)
-    launch.add_argument(
-        "--devices",
-        default="cpu",
-        help="comma-separated devices, one worker each: cpu, cuda:0,cuda:1, "
-        "or cpu,cpu for two CPU workers (default cpu)",
-    )
-    launch.add_argument("--run-dir", help="where logs and records go (default runs/<time>)")
-    launch.add_argument("--host", default="127.0.0.1", help="address the shards bind")
-    launch.add_argument(
-        "--schedule",
-        choices=["ticktock", "together"],
-        default="ticktock",
-        help="ticktock: forwards take turns; together: waves start at once",
-    )
-    launch.add_argument(
-        "--mode",
-        choices=["ps", "allreduce"],
-        default="ps",
-        help="ps: waves through the shards; allreduce: DDP over "
-        "torch.distributed (gloo on CPU, NCCL on GPU), the baseline",
-    )
-    launch.add_argument(
-        "--processes-per-device",
-        type=int,
-        default=1,
-        help="worker processes (ps) or DDP ranks (allreduce) per device; 2 runs two tasks "
-        "on each device side by side, the baseline tick-tock is compared with",
-    )
-    launch.add_argument(
-        "--curve",
-        action="store_true",
-        help="make CURVE keys (in the run dir) and encrypt and authenticate all "
-        "of the job's traffic with them",
-    )
-    launch.add_argument(
-        "--insecure", action="store_true", help="allow a non-loopback --host without --curve"
-    )
-    launch.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch threads per worker process (default: the cores divided "
-        "among the waves that run at once, so none are oversubscribed)",
-    )
-    _add_checkpoint_flags(launch)
+    add_config_flags(launch, LaunchConfig)
     launch.add_argument(
         "--resume",
         metavar="RUN_DIR",
@@ -367,121 +398,62 @@ def build_parser() -> argparse.ArgumentParser:
 
     ps = sub.add_parser("ps", help="run one parameter-server shard daemon")
     _add_job_flags(ps)
-    ps.add_argument("--shard-index", type=int, default=0)
-    ps.add_argument(
-        "--bind",
-        default="tcp://127.0.0.1:0",
-        help="ZeroMQ address to listen on; port 0 picks a free one",
-    )
-    ps.add_argument(
-        "--expect-waves",
-        type=int,
-        default=0,
-        help="hold first pulls until this many waves registered (0: no barrier)",
-    )
-    ps.add_argument("--ready-file", help="write the bound address here once listening")
-    ps.add_argument(
-        "--run-dir",
-        help="per-push records and checkpoints go here; a shard "
-        "restarted with the same run dir resumes from its last checkpoint",
-    )
-    _add_checkpoint_flags(ps)
-    ps.add_argument(
-        "--max-message-mib",
-        type=float,
-        default=1024.0,
-        help="larger messages are dropped (default 1024)",
-    )
-    ps.add_argument(
-        "--curve-secret",
-        default="",
-        metavar="FILE",
-        help="CURVE: this shard's .key_secret file (see wavelet keys)",
-    )
-    ps.add_argument(
-        "--curve-authorized",
-        default="",
-        metavar="DIR",
-        help="CURVE: folder of the public .key files of the clients to accept",
-    )
-    ps.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow binding beyond loopback without CURVE (traffic in the clear)",
-    )
-    ps.add_argument(
-        "--max-parked",
-        type=int,
-        default=4096,
-        help="pulls held back by the staleness bound at once, at most (default 4096)",
-    )
+    add_config_flags(ps, PSConfig)
     ps.set_defaults(run=_cmd_ps)
 
     worker = sub.add_parser("worker", help="run the waves of one device")
     _add_job_flags(worker)
-    worker.add_argument(
-        "--shard",
-        action="append",
-        default=[],
-        metavar="ADDRESS",
-        help="a shard's address, once per shard, in order (ps mode)",
-    )
-    worker.add_argument("--device", default="cpu")
-    worker.add_argument("--rank", type=int, default=0)
-    worker.add_argument("--num-workers", type=int, default=1)
-    worker.add_argument(
-        "--threads", type=int, default=0, help="torch threads for this process (0: all cores)"
-    )
-    worker.add_argument("--run-dir", default="runs/latest")
-    worker.add_argument("--schedule", choices=["ticktock", "together"], default="ticktock")
-    worker.add_argument(
-        "--mode",
-        choices=["ps", "allreduce"],
-        default="ps",
-        help="allreduce: one DDP rank, rendezvous from torchrun's env:// "
-        "variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)",
-    )
-    _add_client_key_flags(worker)
-    worker.add_argument(
-        "--resume",
-        action="store_true",
-        help="go on from the clocks the shards restored from checkpoints",
-    )
-    worker.add_argument(
-        "--device-index",
-        type=int,
-        default=-1,
-        help="physical device number for memory "
-        "reports, when several workers share a device (default: the rank)",
-    )
+    add_config_flags(worker, WorkerConfig)
     worker.set_defaults(run=_cmd_worker)
 
     comp = sub.add_parser("compare", help="run one job in several modes and compare them")
     _add_job_flags(comp)
     comp.add_argument(
         "--modes",
-        default="ticktock,ticktock-wide,single,together,procs,bsp,allreduce,allreduce2",
-        help="comma-separated, from ticktock, ticktock-wide, single, together, procs, bsp, "
-        "allreduce, "
-        "allreduce2 (default: all)",
+        default=",".join(COMPARE_MODES),
+        help="comma-separated modes, from " + ", ".join(COMPARE_MODES) + " (default: all)",
     )
     _add_sweep_flags(comp, "compare")
     comp.set_defaults(run=_cmd_compare)
 
     tune = sub.add_parser("tune", help="sweep staleness bounds and policies on one job")
     _add_job_flags(tune)
-    tune.add_argument("--bounds", default="0,1,2,4,8,inf", help="staleness bounds to try")
     tune.add_argument(
-        "--policies", default="apply,scale,drop,dc-asgd", help="stale-gradient policies to try"
+        "--bounds", default="0,1,2,4,8,inf", help="staleness bounds to try (default 0,1,2,4,8,inf)"
+    )
+    tune.add_argument(
+        "--policies",
+        default=",".join(STALE_POLICIES),
+        help="stale-gradient policies to try, from "
+        + ", ".join(STALE_POLICIES)
+        + " (default: all)",
     )
     _add_sweep_flags(tune, "tune")
     tune.set_defaults(run=_cmd_tune)
 
     stats = sub.add_parser("stats", help="print live shards' versions, clocks and staleness")
-    stats.add_argument("addresses", nargs="+", metavar="ADDRESS")
-    stats.add_argument("--timeout", type=float, default=5.0)
+    stats.add_argument("addresses", nargs="+", metavar="ADDRESS", help="the shards' addresses")
+    stats.add_argument(
+        "--timeout", type=_number(float), default=5.0, help="seconds to wait per shard (default 5)"
+    )
     _add_client_key_flags(stats)
     stats.set_defaults(run=_cmd_stats)
+
+    admin = sub.add_parser(
+        "admin", help="checkpoint or shut down running shards (needs the run's admin token)"
+    )
+    admin.add_argument("action", choices=["checkpoint", "shutdown"], help="what the shards do")
+    admin.add_argument("addresses", nargs="+", metavar="ADDRESS", help="the shards' addresses")
+    admin.add_argument("--run-dir", help="the shards' run dir (its admin.token is used)")
+    admin.add_argument("--token-file", help="the admin token file, if not in a run dir")
+    admin.add_argument(
+        "--timeout",
+        type=_number(float),
+        default=30.0,
+        help="seconds to wait per shard (default 30)",
+    )
+    _add_client_key_flags(admin)
+    admin.set_defaults(run=_cmd_admin)
 
     keys = sub.add_parser("keys", help="make CURVE key pairs (NAME.key, NAME.key_secret)")
     keys.add_argument("names", nargs="+", metavar="NAME", help="e.g. server worker0 worker1")
@@ -497,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    # A user's model or dataset module in the working directory imports, as with python -m.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return args.run(args)
     except ConfigError as e:

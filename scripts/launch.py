@@ -23,12 +23,12 @@ from pathlib import Path
 from wavelet.common.config import ConfigError, JobConfig, LaunchConfig, to_dict
 from wavelet.common.job import check_job
 from wavelet.common.metrics import push_staleness
-from wavelet.common.protocol import Op, RemoteError
+from wavelet.common.protocol import Op, ShardError
 from wavelet.common.records import read_records
-from wavelet.common.security import JobKeys, check_bind
+from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
 from wavelet.scripts.plots import staleness_histograms
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
-from wavelet.worker.client import ShardTimeout, call_shard
+from wavelet.worker.client import call_shard
 from wavelet.worker.evaluate import evaluate_shards
 
 READY_TIMEOUT_S = 60.0
@@ -49,10 +49,12 @@ class Child:
 
 
 class ChildFailed(RuntimeError):
-    def __init__(self, child: Child, code: int | None):
+    def __init__(self, child: Child, code: int | None, hint: str = ""):
         self.child = child
+        what = "did not start in time" if code is None else f"exited with status {code}"
         super().__init__(
-            f"{child.name} exited with status {code}; last lines of {child.log}:\n{child.tail()}"
+            f"{child.name} {what}; last lines of {child.log}:\n{child.tail()}"
+            + (f"\n{hint}" if hint else "")
         )
 
 
@@ -69,6 +71,7 @@ class Job:
     config: LaunchConfig
     run_dir: Path
     keys: JobKeys | None = None
+    admin_token: str = ""
     children: list[Child] = field(default_factory=list)
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
@@ -92,7 +95,18 @@ class Job:
         for c in self.children:
             code = c.proc.poll()
             if code is not None and (code != 0 or c not in allow_exit):
-                raise ChildFailed(c, code)
+                raise ChildFailed(c, code, self.resume_hint() if c.name.startswith("ps-") else "")
+
+    def resume_hint(self) -> str:
+        if any((self.run_dir / "checkpoints").glob("shard-*.pt")):
+            return (
+                f"the job stopped; go on from the shards' last checkpoints with: "
+                f"wavelet launch --resume {self.run_dir}"
+            )
+        return (
+            "the job stopped before any shard checkpoint was written; start it again, with "
+            "--checkpoint-every N to be able to resume next time"
+        )
 
     def teardown(self) -> None:
         """SIGTERM every child still running, wait, then SIGKILL what is left."""
@@ -137,6 +151,8 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
         launch_record = {k: v for k, v in to_dict(config).items() if k != "job"}
         (run_dir / "launch.json").write_text(json.dumps(launch_record, indent=2))
     job = Job(config, run_dir)
+    # shards take checkpoint and shutdown requests only with this (0600 in the run dir)
+    job.admin_token = load_admin_token(admin_token_file(run_dir))
     if config.curve and config.mode == "ps":
         clients = ["launcher"] + [f"worker-{r}" for r, _, _ in _worker_processes(job)]
         if config.resume and (run_dir / "keys").is_dir():
@@ -165,7 +181,7 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the job", file=sys.stderr)
         return 130
-    except (ChildFailed, ShardTimeout, RemoteError) as e:
+    except (ChildFailed, ShardError) as e:
         print(f"wavelet launch: {e}", file=sys.stderr)
         return 1
     finally:
@@ -335,7 +351,7 @@ def _finish(job: Job, job_cfg: JobConfig, addresses: list[str], progress: Progre
         accuracy = evaluate_shards(addresses, job_cfg, keys=keys)
         stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
         for a in addresses:
-            call_shard(a, Op.SHUTDOWN, keys=keys)
+            call_shard(a, Op.SHUTDOWN, keys=keys, body={"token": job.admin_token})
         staleness_histograms(push_staleness(job.run_dir), job.run_dir / "staleness.png")
     else:
         accuracy = progress.final_accuracy
@@ -432,13 +448,14 @@ class Progress:
 
     def line(self, wall: float) -> str:
         self.read()
-        loss = sum(self.loss.values()) / len(self.loss) if self.loss else float("nan")
-        rate = self.samples / self.elapsed() if self.elapsed() > 0 else 0.0
+        # "-" until there is a number: no "loss nan  0 samples/s" before the first step
+        loss = f"{sum(self.loss.values()) / len(self.loss):.4f}" if self.loss else "-"
+        rate = f"{self.samples / self.elapsed():.0f}" if self.elapsed() > 0 else "-"
         acc = f"  test acc {100 * self.accuracy:.1f}%" if self.accuracy is not None else ""
         epochs = f"/{self.epochs}" if self.epochs else ""
         return (
             f"[{wall:6.1f}s] epoch {self.epoch}{epochs}  steps {self.steps}  "
-            f"loss {loss:.4f}  {rate:.0f} samples/s{acc}"
+            f"loss {loss}  {rate} samples/s{acc}"
         )
 
 

@@ -13,7 +13,7 @@ import math
 import traceback
 from pathlib import Path
 
-from wavelet.common.config import INF, ConfigError, JobConfig, LaunchConfig
+from wavelet.common.config import INF, STALE_POLICIES, ConfigError, JobConfig, LaunchConfig
 from wavelet.common.metrics import RunMetrics, run_metrics
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time
@@ -37,14 +37,34 @@ class SettingResult:
 
 
 def parse_bounds(text: str) -> list[float]:
+    """``0,1,inf`` -> [0, 1, inf]; anything else is a ConfigError naming the bad part."""
     bounds = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        value = INF if part in ("inf", "infinity") else float(part)
+    for part in (p.strip().lower() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            value = INF if part in ("inf", "infinity") else float(part)
+        except ValueError:
+            value = math.nan
         if not (value >= 0 and (value == INF or value.is_integer())):
             raise ConfigError(f"staleness bound {part!r} must be a whole number >= 0 or inf")
         bounds.append(value)
+    if not bounds:
+        raise ConfigError(f"--bounds {text!r} names no bound; e.g. --bounds 0,1,4,inf")
     return bounds
+
+
+def parse_policies(text: str) -> list[str]:
+    """``apply,drop`` -> ["apply", "drop"]; unknown or no policy is a ConfigError."""
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    for p in policies:
+        if p not in STALE_POLICIES:
+            raise ConfigError(f"unknown policy {p!r}; choose from {', '.join(STALE_POLICIES)}")
+    if not policies:
+        raise ConfigError(
+            f"--policies {text!r} names no policy; choose from {', '.join(STALE_POLICIES)}"
+        )
+    return policies
 
 
 def settings_for(bounds: list[float], policies: list[str]) -> list[Setting]:

@@ -26,7 +26,7 @@ from wavelet.common.schedule import lr_factor, progress
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 
-log = logging.getLogger("wavelet.worker")
+log = logging.getLogger(__name__)
 
 
 class AllReduceWorker:

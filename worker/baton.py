@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-log = logging.getLogger("wavelet.worker")
+log = logging.getLogger(__name__)
 
 
 class ForwardBaton:

@@ -18,19 +18,24 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from wavelet.common.protocol import Header, Op, RemoteError, decode, send_message
+from wavelet.common.protocol import (
+    ErrorCode,
+    Header,
+    Op,
+    ShardTimeout,
+    decode,
+    raise_for_error,
+    reply_body,
+    send_message,
+)
 from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import Chunk, ShardingPlan, chunk_view
 
-log = logging.getLogger("wavelet.worker")
+log = logging.getLogger(__name__)
 
 
 class StopRequested(Exception):
     """The daemon is shutting down; the wave should stop where it is."""
-
-
-class ShardTimeout(TimeoutError):
-    pass
 
 
 @dataclass
@@ -106,13 +111,21 @@ class PSClient:
     def register(self, clock: int = 0, resume: bool = False) -> list[int]:
         """Join every shard's membership at ``clock`` (``resume``: at the clock the shard kept
         for us); seeds uninitialised shards with our weights. Returns each shard's clock for us."""
-        replies = self._all(Op.REGISTER, clock=clock, body={"resume": resume})
-        clocks = [h.body["clock"] for h, _ in replies]
+        replies = [
+            reply_body(Op.REGISTER, h)
+            for h, _ in self._all(Op.REGISTER, clock=clock, body={"resume": resume})
+        ]
+        if resume:  # updates the shards applied before the stop that their checkpoints missed
+            self.lost_updates += sum(r.lost_updates for r in replies)
+        clocks = [r.clock for r in replies]
         if len(set(clocks)) > 1:
             # Shards placed us at different clocks (others pushed in between): take the newest
             # everywhere, or a pull would wait on this wave's own older clock forever.
-            replies = self._all(Op.REGISTER, clock=max(clocks), body={"exact": True})
-            clocks = [h.body["clock"] for h, _ in replies]
+            replies = [
+                reply_body(Op.REGISTER, h)
+                for h, _ in self._all(Op.REGISTER, clock=max(clocks), body={"exact": True})
+            ]
+            clocks = [r.clock for r in replies]
         self.init()
         return clocks
 
@@ -205,13 +218,14 @@ class PSClient:
             for chunks, (_, tensors) in zip(self.chunks, replies, strict=True):
                 for c, value in zip(chunks, tensors, strict=True):
                     chunk_view(self.tensors[c.name].data, c).copy_(value)
-        versions = [h.body["version"] for h, _ in replies]
+        bodies = [reply_body(Op.PULL, h) for h, _ in replies]
+        versions = [b.version for b in bodies]
         self.last_versions = [max(a, b) for a, b in zip(self.last_versions, versions, strict=True)]
         return PullResult(
             versions=versions,
-            parked_s=max(h.body.get("parked_s", 0.0) for h, _ in replies),
-            dropped=sum(h.body.get("action") == "dropped" for h, _ in replies),
-            slowest_clock=[h.body.get("slowest_clock", -1) for h, _ in replies],
+            parked_s=max(b.parked_s for b in bodies),
+            dropped=sum(b.action == "dropped" for b in bodies),
+            slowest_clock=[b.slowest_clock for b in bodies],
         )
 
     # --- requests -----------------------------------------------------------------------------
@@ -251,7 +265,8 @@ class PSClient:
                 missing = [self.addresses[i] for i, r in enumerate(replies) if r is None]
                 raise ShardTimeout(
                     f"no reply within {self.timeout_s:.0f}s from shard(s) {', '.join(missing)}; "
-                    "check that `wavelet ps` runs there and the address is right"
+                    "check that `wavelet ps` runs there and the address is right",
+                    missing,
                 )
             for sock, _ in self.poller.poll(min(left, 0.2) * 1000):
                 if sock in self._monitor_index:
@@ -262,13 +277,11 @@ class PSClient:
                 if h.request_id != rid or replies[i] is not None:
                     continue  # a late answer to a request we gave up on or recovered from
                 if h.op == Op.ERROR:
-                    if recover is not None and h.body.get("code") == "not_registered":
+                    if recover is not None and h.body.get("code") == ErrorCode.NOT_REGISTERED:
                         # dropped from the membership (silent too long): join again
                         replies[i] = self._rejoin(i, recover)
                         continue
-                    raise RemoteError(
-                        h.body.get("code", "?"), h.body.get("message", ""), self.addresses[i]
-                    )
+                    raise_for_error(h, self.addresses[i])
                 replies[i] = (h, tensors)
             if recover is not None:
                 for i, r in enumerate(replies):
@@ -284,7 +297,8 @@ class PSClient:
         except zmq.Again:  # no connection to queue on within SNDTIMEO
             raise ShardTimeout(
                 f"could not send to shard {self.addresses[i]} within {self.timeout_s:.0f}s; "
-                "check that `wavelet ps` runs there, the address and, with CURVE, the keys"
+                "check that `wavelet ps` runs there, the address and, with CURVE, the keys",
+                [self.addresses[i]],
             ) from None
 
     def _watch_connections(self, block_ms: int) -> None:
@@ -316,14 +330,15 @@ class PSClient:
         """Register with shard ``i`` again at ``clock`` (seeding it if it came back empty) and
         pull its weights; counts the updates it lost (versions we saw that it no longer has)."""
         h = self._request_one(i, self._header(Op.REGISTER, clock=clock, body={"exact": True}))
-        restored = h.body["version"]
+        registered = reply_body(Op.REGISTER, h)
+        restored = registered.version
         lost = max(0, self.last_versions[i] - restored)
         self.lost_updates += lost
         if lost:
             log.warning(
                 "shard %s lost %d update(s) (back at version %d)", self.addresses[i], lost, restored
             )
-        if not h.body.get("initialized", True):
+        if not registered.initialized:
             chunks = self.chunks[i]
             init = self._header(
                 Op.INIT,
@@ -350,14 +365,12 @@ class PSClient:
                 h, out = decode(sock.recv_multipart(copy=False))
                 if h.request_id != rid:
                     continue
-                if h.op == Op.ERROR:
-                    raise RemoteError(
-                        h.body.get("code", "?"), h.body.get("message", ""), self.addresses[i]
-                    )
+                raise_for_error(h, self.addresses[i])
                 return h, out
         raise ShardTimeout(
             f"shard {self.addresses[i]} did not answer {header.op} within "
-            f"{self.timeout_s:.0f}s after reconnecting"
+            f"{self.timeout_s:.0f}s after reconnecting",
+            [self.addresses[i]],
         )
 
 
@@ -394,7 +407,8 @@ def call_shard(
     keys: ClientKeys | None = None,
     **fields,
 ) -> Header:
-    """One request to one shard outside any wave (stats, shutdown, checkpoint); raises on error."""
+    """One request to one shard outside any wave (stats, shutdown, checkpoint); raises a
+    ``ShardError`` on an error reply or when the shard does not answer within ``timeout_s``."""
     context = context or zmq.Context.instance()
     sock = connect_dealer(context, address, keys, {zmq.SNDTIMEO: int(timeout_s * 1000)})
     try:
@@ -402,13 +416,14 @@ def call_shard(
             send_message(sock, Header(op=op, request_id=1, **fields))
         except zmq.Again:
             raise ShardTimeout(
-                f"could not send {op} to shard {address} within {timeout_s:.0f}s"
+                f"could not send {op} to shard {address} within {timeout_s:.0f}s", [address]
             ) from None
         if not sock.poll(timeout_s * 1000):
-            raise ShardTimeout(f"shard {address} did not answer {op} within {timeout_s:.0f}s")
+            raise ShardTimeout(
+                f"shard {address} did not answer {op} within {timeout_s:.0f}s", [address]
+            )
         h, _ = decode(sock.recv_multipart(copy=False))
-        if h.op == Op.ERROR:
-            raise RemoteError(h.body.get("code", "?"), h.body.get("message", ""), address)
+        raise_for_error(h, address)
         return h
     finally:
         sock.close(linger=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 import torch
@@ -22,15 +23,12 @@ from wavelet.worker.client import client_keys
 from wavelet.worker.heartbeat import Heartbeat
 from wavelet.worker.wave import Wave, WaveIdentity
 
-log = logging.getLogger("wavelet.worker")
+log = logging.getLogger(__name__)
 
 
 class WorkerDaemon:
-    def __init__(self, config: WorkerConfig, schedule: str = "ticktock"):
-        if schedule not in ("ticktock", "together"):
-            raise ValueError(f"schedule must be ticktock or together, got {schedule!r}")
+    def __init__(self, config: WorkerConfig):
         self.config = config
-        self.schedule = schedule
         self.stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -42,7 +40,7 @@ class WorkerDaemon:
         threads = cfg.threads or max(1, (os.cpu_count() or 1))
         torch.set_num_threads(threads)
         dataset = build_dataset(job.dataset, job.seed, **job.dataset_kwargs)
-        if self.schedule == "ticktock":
+        if cfg.schedule == "ticktock":
             baton = ForwardBaton(job.waves, job.baton_timeout_s)
         else:
             baton = NoBaton()
@@ -96,7 +94,16 @@ class WorkerDaemon:
                 r.join(5.0)
             if not any(r.is_alive() for r in runners):
                 context.term()
-        failed = [w for w in waves if w.error]
-        for w in failed:
-            log.error("wave %d failed: %s", w.ident.local, w.error)
-        return 1 if failed else 0
+        return report_failures(waves)
+
+
+def report_failures(waves: list[Wave]) -> int:
+    """One line per distinct failure (both waves of a device usually fail alike, e.g. on an
+    unreachable shard), on stderr; 1 if any wave failed, else 0."""
+    seen: dict[str, list[str]] = {}
+    for w in waves:
+        if w.error is not None:
+            seen.setdefault(str(w.error) or type(w.error).__name__, []).append(w.ident.name)
+    for message, names in seen.items():
+        print(f"wavelet worker: wave {', '.join(names)} failed: {message}", file=sys.stderr)
+    return 1 if seen else 0

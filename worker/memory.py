@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 
 import torch
@@ -24,6 +25,8 @@ class _Saved:
         self.key = key
 
     def __del__(self) -> None:
+        # May run inside a garbage collection on any thread, even one holding the meter's lock:
+        # _release never blocks.
         if self.key is not None:
             self.meter._release(self.key)
 
@@ -37,6 +40,7 @@ class SavedActivationMeter:
         self._exclude = {p.untyped_storage().data_ptr() for p in parameters}
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self._lock = threading.Lock()
+        self._freed: deque[int] = deque()  # releases not yet counted (deque appends are atomic)
         self.clock = clock
         self.current = 0
         self.peak = 0
@@ -56,12 +60,14 @@ class SavedActivationMeter:
         if key in self._exclude or storage.nbytes() == 0:
             return _Saved(tensor, self, None)
         with self._lock:
+            self._count_freed()
             entry = self._live.get(key)
             if entry is None:
                 self._live[key] = [1, storage.nbytes()]
                 self._change(storage.nbytes())
             else:
                 entry[0] += 1
+        self._drain()
         return _Saved(tensor, self, key)
 
     @staticmethod
@@ -69,10 +75,29 @@ class SavedActivationMeter:
         return saved.tensor
 
     def _release(self, key: int) -> None:
-        with self._lock:
+        """Count a saved tensor autograd let go of. Never waits for the lock: a garbage
+        collection inside ``_pack`` (which holds it) would otherwise deadlock the wave. The
+        release is queued and counted by whoever holds the lock next, at the latest when the
+        holder lets go (every holder drains the queue after releasing)."""
+        self._freed.append(key)
+        self._drain()
+
+    def _drain(self) -> None:
+        # Anyone who queued a release while another thread held the lock did so before that
+        # thread's release, so the holder's drain after it finds the entry.
+        while self._freed and self._lock.acquire(blocking=False):
+            try:
+                self._count_freed()
+            finally:
+                self._lock.release()
+
+    def _count_freed(self) -> None:
+        """Under the lock: count every queued release."""
+        while self._freed:
+            key = self._freed.popleft()
             entry = self._live.get(key)
             if entry is None:
-                return
+                continue
             entry[0] -= 1
             if entry[0] == 0:
                 del self._live[key]
@@ -82,17 +107,21 @@ class SavedActivationMeter:
         """Call ``callback`` once, as soon as live bytes drop to ``threshold`` or below (from
         whichever thread frees them: the backward pass frees saved tensors as it goes)."""
         with self._lock:
+            self._count_freed()
             if self.current <= threshold:
                 fire = True
             else:
                 self._watch = (threshold, callback)
                 fire = False
+        self._drain()
         if fire:
             callback()
 
     def cancel_watch(self) -> None:
         with self._lock:
+            self._count_freed()
             self._watch = None
+        self._drain()
 
     def _change(self, delta: int) -> None:
         self.current += delta

@@ -21,6 +21,7 @@ import zmq
 from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import Dataset
 from wavelet.common.models import build_model
+from wavelet.common.protocol import ShardError, wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.sharding import ShardingPlan, model_tensors
@@ -29,7 +30,7 @@ from wavelet.worker.client import PSClient, StopRequested, client_keys
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 
-log = logging.getLogger("wavelet.worker")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +39,10 @@ class WaveIdentity:
     local: int  # index among this device's waves (0 is tick, 1 is tock)
     global_index: int  # index among all waves of the job: picks the data part
     total: int  # waves in the job
+
+    @property
+    def name(self) -> str:
+        return wave_name(self.worker, self.local)
 
 
 class Wave:
@@ -72,10 +77,12 @@ class Wave:
                 torch.cuda.set_device(self.device)
             self._train()
         except StopRequested:
-            log.info("wave %d stopped", self.ident.local)
+            log.info("wave %s stopped", self.ident.name)
+        except ShardError as e:  # unreachable or refusing shards: the daemon reports it once
+            self.error = e
         except BaseException as e:
             self.error = e
-            log.exception("wave %d failed", self.ident.local)
+            log.exception("wave %s failed", self.ident.name)
         finally:
             self.baton.leave(self.ident.local)
             self.records.close()
@@ -89,6 +96,14 @@ class Wave:
             job.seed,
             **job.model_kwargs,
         ).to(self.device)
+        part = self.dataset.part(ident.global_index, ident.total, job.seed)
+        steps = part.steps_per_epoch(job.batch_size)
+        if steps == 0:
+            raise ValueError(
+                f"batch size {job.batch_size} exceeds this wave's "
+                f"{len(part.x)} samples; lower --batch-size"
+            )
+        meter = SavedActivationMeter(model.parameters())
         plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes)
         tensors = {name: t for name, t, _ in model_tensors(model)}
         client = PSClient(
@@ -102,69 +117,69 @@ class Wave:
             self.context,
             self.keys,
         )
-        meter = SavedActivationMeter(model.parameters())
-        part = self.dataset.part(ident.global_index, ident.total, job.seed)
-        steps = part.steps_per_epoch(job.batch_size)
-        if steps == 0:
-            raise ValueError(
-                f"batch size {job.batch_size} exceeds this wave's "
-                f"{len(part.x)} samples; lower --batch-size"
-            )
         try:
-            clock = max(client.register(0, resume=self.config.resume))
-            # Resuming, the wave goes on from the iteration its clock says it had reached.
-            first = clock if self.config.resume else 0
-            t = time.perf_counter()
-            pulled = client.pull(clock)
-            self.records.write(
-                {
-                    "kind": "start",
-                    "t": time.time(),
-                    "pull_s": time.perf_counter() - t,
-                    "versions_read": pulled.versions,
-                    "steps_per_epoch": steps,
-                    "batch_size": job.batch_size,
-                    "wave": ident.local,
-                    "device": str(self.device),
-                    "device_index": self.config.device_index,
-                }
-            )
-            started = time.monotonic()
-            iteration = first
-            for epoch in range(first // steps, job.epochs if job.epochs else 1 << 30):
-                model.train()
-                batches = part.batches(job.batch_size, epoch, job.seed + 7919 * ident.global_index)
-                for skipped, (x, y) in enumerate(batches):
-                    if epoch == first // steps and skipped < first % steps:
-                        continue
-                    if self.stop.is_set():
-                        raise StopRequested()
-                    if job.max_seconds and time.monotonic() - started >= job.max_seconds:
-                        return
-                    meter.tracing = iteration < job.memory_trace_iters
-                    done = progress(
-                        iteration, job.epochs * steps, time.monotonic() - started, job.max_seconds
-                    )
-                    lr_scale = lr_factor(job.lr_schedule, done)
-                    pulled = self._step(
-                        model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale
-                    )
-                    clock += 1
-                    iteration += 1
-                if self.evaluate and job.eval_every and (epoch + 1) % job.eval_every == 0:
-                    self._record_eval(model, epoch)
-                self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
+            self._run_epochs(model, meter, client, part, steps)
+            if not self.stop.is_set():
+                client.leave()  # only after success: a failed wave must not wait on shards again
         finally:
             self.baton.leave(ident.local)
-            try:
-                if not self.stop.is_set():
-                    client.leave()
-            finally:
-                client.close()
-                if meter.trace:
-                    self.records.write(
-                        {"kind": "memory_trace", "wave": ident.local, "trace": meter.trace}
-                    )
+            client.close()
+            if meter.trace:
+                self.records.write(
+                    {
+                        "kind": "memory_trace",
+                        "wave": ident.local,
+                        "wave_name": ident.name,
+                        "trace": meter.trace,
+                    }
+                )
+
+    def _run_epochs(self, model, meter, client, part, steps: int) -> None:
+        job, ident = self.job, self.ident
+        clock = max(client.register(0, resume=self.config.resume))
+        # Resuming, the wave goes on from the iteration its clock says it had reached.
+        first = clock if self.config.resume else 0
+        t = time.perf_counter()
+        pulled = client.pull(clock)
+        self.records.write(
+            {
+                "kind": "start",
+                "t": time.time(),
+                "pull_s": time.perf_counter() - t,
+                "versions_read": pulled.versions,
+                "steps_per_epoch": steps,
+                "batch_size": job.batch_size,
+                "wave": ident.local,
+                "wave_name": ident.name,
+                "device": str(self.device),
+                "device_index": self.config.device_index,
+            }
+        )
+        started = time.monotonic()
+        iteration = first
+        for epoch in range(first // steps, job.epochs if job.epochs else 1 << 30):
+            model.train()
+            batches = part.batches(job.batch_size, epoch, job.seed + 7919 * ident.global_index)
+            for skipped, (x, y) in enumerate(batches):
+                if epoch == first // steps and skipped < first % steps:
+                    continue
+                if self.stop.is_set():
+                    raise StopRequested()
+                if job.max_seconds and time.monotonic() - started >= job.max_seconds:
+                    return
+                meter.tracing = iteration < job.memory_trace_iters
+                done = progress(
+                    iteration, job.epochs * steps, time.monotonic() - started, job.max_seconds
+                )
+                lr_scale = lr_factor(job.lr_schedule, done)
+                pulled = self._step(
+                    model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale
+                )
+                clock += 1
+                iteration += 1
+            if self.evaluate and job.eval_every and (epoch + 1) % job.eval_every == 0:
+                self._record_eval(model, epoch)
+            self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
 
     def _step(self, model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale):
         dev = self.device
@@ -172,6 +187,7 @@ class Wave:
         rec = {
             "kind": "step",
             "wave": self.ident.local,
+            "wave_name": self.ident.name,
             "epoch": epoch,
             "iter": iteration,
             "clock": clock,

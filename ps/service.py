@@ -1,0 +1,538 @@
+"""ShardService: one shard's state and every decision about it, with no sockets.
+
+``handle(peer, frames)`` decodes one request and returns the messages to send (its reply, and the
+parked pulls it released); ``tick(now)`` runs the timers (silent waves, periodic checkpoints).
+Both never raise: a refused request becomes an ``error`` reply and leaves the parameters as they
+were. The transport (``ps/server.py``) only moves frames, as ps-lite's ``KVServer`` hands requests
+to one handler; so most behaviour is testable in-process, without a socket.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wavelet.common.config import PSConfig
+from wavelet.common.protocol import (
+    Ack,
+    AdminRequest,
+    CheckpointReply,
+    ErrorCode,
+    Header,
+    HeartbeatRequest,
+    InitReply,
+    InitRequest,
+    Op,
+    ProtocolError,
+    PullRequest,
+    PushReply,
+    PushRequest,
+    RegisterReply,
+    RegisterRequest,
+    StatsReply,
+    WeightsReply,
+    decode,
+    error_header,
+    reply_header,
+    request_body,
+    wave_name,
+)
+from wavelet.common.records import RecordWriter, last_record
+from wavelet.ps.checkpoints import checkpoint_path, read_checkpoint, write_checkpoint
+from wavelet.ps.policy import make_policy
+from wavelet.ps.shard import Shard
+from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats
+from wavelet.ps.synchronous import SyncSum
+
+log = logging.getLogger(__name__)
+
+ADMIN_OPS = (Op.CHECKPOINT, Op.SHUTDOWN)
+
+
+@dataclass
+class Outgoing:
+    """One message for the transport to send to ``peer``."""
+
+    peer: bytes
+    header: Header
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def carries_weights(self) -> bool:
+        """Its tensors are the shard's parameter memory (sent zero-copy)."""
+        return bool(self.tensors)
+
+
+@dataclass
+class _ParkedPull:
+    peer: bytes
+    request_id: int
+    wave: WaveId
+    clock: int
+    since: float
+    action: str = ""  # what became of the push that came with this pull
+
+
+class ShardService:
+    """The state of one shard (parameters, clocks, parked pulls, statistics) and its rules.
+
+    ``weights_in_use`` tells whether the transport still reads the parameters' memory; the shard
+    then moves its parameters to fresh memory before an update instead of waiting (ps/shard.py).
+    """
+
+    def __init__(
+        self,
+        config: PSConfig,
+        admin_token: str = "",
+        weights_in_use: Callable[[], bool] = lambda: False,
+    ):
+        self.config = config
+        job = config.job
+        self.shard = Shard(job.optimizer, weights_in_use)
+        self.clocks = ClockTable()
+        self.bound = StalenessBound(job.staleness)
+        self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
+        self.sync = SyncSum()
+        self.stats: dict[WaveId, WaveStats] = {}
+        self.parked: list[_ParkedPull] = []
+        self.rejected = 0
+        self.checkpoint_failures = 0
+        self.lost_on_restore = 0  # updates the last run applied that its checkpoint missed
+        self.stopping = False
+        self._admin_token = admin_token
+        self._handlers: dict[str, Callable[..., Any]] = {
+            op: getattr(self, f"rpc_{op}") for op in Op if op not in (Op.REPLY, Op.ERROR)
+        }
+        self.push_log: RecordWriter | None = None
+        self._checkpointed = (0, time.monotonic())  # version and time of the last checkpoint
+        if config.run_dir:
+            log_path = Path(config.run_dir) / "records" / f"ps-{config.shard_index}-pushes.jsonl"
+            self._restore(log_path)
+            self.push_log = RecordWriter(log_path)
+
+    # --- the two entry points -----------------------------------------------------------------
+
+    def handle(self, peer: bytes, frames: Sequence[Any]) -> list[Outgoing]:
+        """Answer one request (``frames`` without the routing frame); never raises."""
+        out: list[Outgoing] = []
+        request_id = 0
+        header: Header | None = None
+        try:
+            header, tensors = decode(frames)
+            request_id = header.request_id
+            body = request_body(header)
+            reply = self._handlers[header.op](peer, header, body, tensors)
+        except ProtocolError as e:
+            out.append(self._reject(peer, request_id, e.code, e.message, header))
+            return out
+        except Exception as e:  # a bug, not the client's fault: say so and keep serving
+            log.error("internal error:\n%s", traceback.format_exc())
+            out.append(
+                self._reject(
+                    peer, request_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", header
+                )
+            )
+            return out
+        if reply is not None:
+            out.append(reply)
+        out += self._release_parked()
+        self._maybe_checkpoint()
+        return out
+
+    def tick(self, now: float | None = None) -> list[Outgoing]:
+        """Timers: drop waves silent past ``wave_timeout_s``, checkpoint when due."""
+        timeout = self.config.job.wave_timeout_s
+        for wave in self.clocks.silent(timeout, now):
+            log.warning(
+                "wave %s silent for over %.0fs: dropped from the membership so the others go "
+                "on; it rejoins when it comes back",
+                wave_name(*wave),
+                timeout,
+            )
+            self._leave(wave)
+        self._apply_sum_if_complete()
+        out = self._release_parked()
+        self._maybe_checkpoint()
+        return out
+
+    def close(self) -> list[Outgoing]:
+        """Final checkpoint; error replies for the pulls still parked."""
+        if self.config.run_dir and self.shard.initialized:
+            try:
+                self.write_checkpoint()
+            except OSError as e:
+                log.error("final checkpoint failed: %s", e)
+        out = [
+            Outgoing(
+                p.peer,
+                error_header(p.request_id, ErrorCode.SHUTTING_DOWN, "shard is shutting down"),
+            )
+            for p in self.parked
+        ]
+        self.parked.clear()
+        if self.push_log:
+            self.push_log.close()
+        return out
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def rpc_register(self, peer, h: Header, body: RegisterRequest, tensors) -> Outgoing:
+        wave = self._wave_of(h)
+        if self.shard.initialized:
+            self.shard.check_plan(h.plan)
+        if body.resume and wave in self.clocks.clocks:
+            clock = self.clocks.clocks[wave]  # a resumed job goes on where it stopped
+        elif body.exact:
+            clock = max(h.clock, 0)  # a wave re-joining at the clock it has on other shards
+        else:
+            # A wave that (re)joins a running job starts at the slowest live wave's clock, so
+            # it does not hold the others back under the staleness bound.
+            others = [
+                c for w, c in self.clocks.clocks.items() if w in self.clocks.live and w != wave
+            ]
+            clock = max(h.clock, min(others, default=0), 0)
+        self.clocks.join(wave, clock)
+        self.stats.setdefault(wave, WaveStats())
+        log.info("wave %s joined at clock %d", wave_name(*wave), clock)
+        lost = self.lost_on_restore if body.resume else 0
+        return self._reply(
+            peer,
+            h,
+            RegisterReply(self.shard.version, clock, self.shard.initialized, lost),
+        )
+
+    def rpc_heartbeat(self, peer, h: Header, body: HeartbeatRequest, tensors) -> Outgoing:
+        for index in body.waves:
+            if (h.worker, index) in self.clocks.live:
+                self.clocks.seen((h.worker, index))
+        return self._reply(peer, h, Ack(self.shard.version))
+
+    def rpc_init(self, peer, h: Header, body: InitRequest, tensors) -> Outgoing:
+        seeded = self.shard.initialize(h.plan, h.keys, tensors, body.trainable)
+        return self._reply(peer, h, InitReply(self.shard.version, seeded))
+
+    def rpc_pull(self, peer, h: Header, body: PullRequest, tensors) -> Outgoing | None:
+        if body.observer:
+            # Evaluation and tools read the current weights; they are not a wave and never park.
+            self.shard.check_plan(h.plan)
+            return self._weights(peer, h.request_id, None, h.clock, parked_s=0.0)
+        wave = self._registered(h)
+        self._check_park_room()
+        return self._pull_or_park(peer, h.request_id, wave, h.clock)
+
+    def rpc_push(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing:
+        _, action = self._push(h, body, tensors)
+        return self._reply(peer, h, PushReply(self.shard.version, action))
+
+    def rpc_push_pull(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing | None:
+        self._check_park_room()  # before the push: a refused request must change nothing
+        wave, action = self._push(h, body, tensors)
+        return self._pull_or_park(peer, h.request_id, wave, self.clocks.clocks[wave], action)
+
+    def rpc_leave(self, peer, h: Header, body, tensors) -> Outgoing:
+        wave = self._registered(h)
+        self._leave(wave)
+        log.info("wave %s left at clock %d", wave_name(*wave), self.clocks.clocks[wave])
+        self._apply_sum_if_complete()
+        return self._reply(peer, h, Ack(self.shard.version))
+
+    def rpc_stats(self, peer, h: Header, body, tensors) -> Outgoing:
+        waves = {}
+        for wave, st in self.stats.items():
+            waves[wave_name(*wave)] = {
+                "clock": self.clocks.clocks.get(wave, 0),
+                "live": wave in self.clocks.live,
+                **st.summary(),
+            }
+        return self._reply(
+            peer,
+            h,
+            StatsReply(
+                version=self.shard.version,
+                shard=self.config.shard_index,
+                staleness_bound=str(self.bound.s),
+                parked_now=len(self.parked),
+                rejected=self.rejected,
+                checkpoint_failures=self.checkpoint_failures,
+                waves=waves,
+            ),
+        )
+
+    def rpc_checkpoint(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
+        self._check_admin(h, body)
+        path = self.write_checkpoint()
+        return self._reply(peer, h, CheckpointReply(self.shard.version, str(path)))
+
+    def rpc_shutdown(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
+        self._check_admin(h, body)
+        self.stopping = True
+        return self._reply(peer, h, Ack(self.shard.version))
+
+    # --- pushes and pulls ---------------------------------------------------------------------
+
+    def _push(
+        self, h: Header, body: PushRequest, tensors: list[torch.Tensor]
+    ) -> tuple[WaveId, str]:
+        """Validate a push completely, then apply or accumulate it."""
+        wave = self._registered(h)
+        shard = self.shard
+        shard.check_plan(h.plan)
+        clock = self.clocks.clocks[wave]
+        if h.clock != clock:
+            raise ProtocolError(
+                ErrorCode.STALE_CLOCK,
+                f"push for clock {h.clock}, but wave {wave_name(*wave)} is at "
+                f"clock {clock}; each clock is pushed once, in order",
+            )
+        if h.read_version < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "push needs the version it read (read >= 0)")
+        if h.read_version > shard.version:
+            raise ProtocolError(
+                ErrorCode.FUTURE_VERSION,
+                f"read version {h.read_version} is newer than this shard's version {shard.version}",
+            )
+        if wave not in self.clocks.live:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED, f"wave {wave_name(*wave)} left; register again to push"
+            )
+        if self.bound.synchronous and self.sync.open and clock != self.sync.clock:
+            raise ProtocolError(
+                ErrorCode.STALE_CLOCK,
+                f"bulk-synchronous clock {self.sync.clock} is still open; "
+                f"pull before pushing clock {clock}",
+            )
+        shard.check_push(h.keys, tensors)
+        lr_scale = body.lr_scale
+
+        tau = shard.version - h.read_version
+        grads = shard.gradients(tensors)
+        shard.store_buffers(wave, tensors)
+        if self.bound.synchronous:
+            # Every gradient of the open clock read the same version (tau = 0): average them.
+            self.sync.add(clock, grads, lr_scale)
+            action = "accumulated"
+        else:
+            decision = self.policy.decide(wave, tau, grads, shard.params)
+            action = decision.action
+            if decision.grads is None:
+                self.stats[wave].dropped += 1
+            else:
+                lr_scale *= decision.lr_scale
+                shard.apply(decision.grads, lr_scale)
+        self.clocks.advance(wave)
+        self.stats[wave].record_push(tau)
+        if self.push_log:
+            self.push_log.write(
+                {
+                    "t": time.time(),
+                    "worker": wave[0],
+                    "wave": wave[1],
+                    "wave_name": wave_name(*wave),
+                    "clock": clock,
+                    "read_version": h.read_version,
+                    "version": shard.version,
+                    "staleness": tau,
+                    "action": action,
+                    "lr_scale": lr_scale,
+                    "policy": self.policy.name,
+                }
+            )
+        self._apply_sum_if_complete()
+        return wave, action
+
+    def _apply_sum_if_complete(self) -> None:
+        """Bulk-synchronous: apply the mean once every live wave has pushed the open clock
+        (the pulls it unblocks are released by the caller)."""
+        if not self.sync.open:
+            return
+        slowest = self.clocks.min_live_clock()
+        if slowest is not None and slowest <= self.sync.clock:
+            return
+        grads, lr_scale = self.sync.mean()
+        self.shard.apply(grads, lr_scale)
+
+    def _pull_or_park(
+        self, peer: bytes, request_id: int, wave: WaveId, clock: int, action: str = ""
+    ) -> Outgoing | None:
+        if self._may_read(clock):
+            return self._weights(peer, request_id, wave, clock, 0.0, action)
+        self.parked.append(_ParkedPull(peer, request_id, wave, clock, time.monotonic(), action))
+        self.stats[wave].parked += 1
+        return None
+
+    def _check_park_room(self) -> None:
+        if len(self.parked) >= self.config.max_parked:
+            raise ProtocolError(
+                ErrorCode.LIMIT,
+                f"{len(self.parked)} pulls are parked already, "
+                "the most this shard holds (max_parked)",
+            )
+
+    def _may_read(self, clock: int) -> bool:
+        if not self.shard.initialized:
+            return False
+        if len(self.clocks.clocks) < self.config.expect_waves:
+            return False  # start barrier: wait for the whole job to register
+        if self.bound.synchronous and self.sync.open and clock > self.sync.clock:
+            return False
+        return self.bound.may_read(clock, self.clocks)
+
+    def _release_parked(self) -> list[Outgoing]:
+        out: list[Outgoing] = []
+        if not self.parked:
+            return out
+        still = []
+        for p in self.parked:
+            if self._may_read(p.clock):
+                waited = time.monotonic() - p.since
+                self.stats[p.wave].parked_s += waited
+                out.append(self._weights(p.peer, p.request_id, p.wave, p.clock, waited, p.action))
+            else:
+                still.append(p)
+        self.parked = still
+        return out
+
+    def _weights(
+        self,
+        peer: bytes,
+        request_id: int,
+        wave: WaveId | None,
+        clock: int,
+        parked_s: float,
+        action: str = "",
+    ) -> Outgoing:
+        slowest = self.clocks.min_live_clock()
+        body = WeightsReply(
+            version=self.shard.version,
+            clock=clock,
+            parked_s=parked_s,
+            slowest_clock=-1 if slowest is None else slowest,
+            action=action,
+        )
+        if wave is not None:
+            self.stats[wave].record_read(clock, self.shard.version)
+            if not self.bound.synchronous:
+                self.policy.on_read(wave, self.shard.params)
+        header = reply_header(request_id, body)
+        header.keys = self.shard.keys
+        return Outgoing(peer, header, self.shard.values())
+
+    # --- membership, admin, errors ------------------------------------------------------------
+
+    def _leave(self, wave: WaveId) -> None:
+        self.clocks.leave(wave)
+        self.policy.forget(wave)
+
+    def _wave_of(self, h: Header) -> WaveId:
+        if not h.worker or h.wave < 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "request needs worker and wave (>= 0)")
+        return (h.worker, h.wave)
+
+    def _registered(self, h: Header) -> WaveId:
+        wave = self._wave_of(h)
+        if wave not in self.clocks.clocks:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED,
+                f"wave {wave_name(*wave)} has not registered with this shard",
+            )
+        if wave in self.clocks.live:
+            self.clocks.seen(wave)  # any request is a sign of life
+        return wave
+
+    def _check_admin(self, h: Header, body: AdminRequest) -> None:
+        if not self._admin_token:
+            raise ProtocolError(
+                ErrorCode.UNAUTHORIZED,
+                f"{h.op} is disabled: this shard has no admin token (start it with --run-dir "
+                "or --admin-token-file); stop it with SIGTERM instead",
+            )
+        if not hmac.compare_digest(body.token.encode(), self._admin_token.encode()):
+            raise ProtocolError(
+                ErrorCode.UNAUTHORIZED,
+                f"{h.op} needs the shard's admin token (the run dir's admin.token)",
+            )
+
+    def _reply(self, peer: bytes, h: Header, body) -> Outgoing:
+        return Outgoing(peer, reply_header(h.request_id, body))
+
+    def _reject(
+        self,
+        peer: bytes,
+        request_id: int,
+        code: ErrorCode,
+        message: str,
+        header: Header | None,
+    ) -> Outgoing:
+        self.rejected += 1
+        if header is not None and header.worker and header.wave >= 0:
+            wave = (header.worker, header.wave)
+            if wave in self.stats:
+                self.stats[wave].rejected[str(code)] += 1
+        log.warning("rejected request %d: [%s] %s", request_id, code, message)
+        return Outgoing(peer, error_header(request_id, code, message))
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def write_checkpoint(self) -> Path:
+        """Parameters, optimizer state, version and clocks (an open bulk-synchronous sum is not
+        an applied update and is not saved)."""
+        if not self.config.run_dir:
+            raise ProtocolError(ErrorCode.MALFORMED, "this shard was started without a run dir")
+        if not self.shard.initialized:
+            raise ProtocolError(ErrorCode.NOT_INITIALIZED, "nothing to checkpoint yet")
+        state = self.shard.state_dict()
+        state["clocks"] = [[w[0], w[1], c] for w, c in self.clocks.clocks.items()]
+        path = checkpoint_path(self.config.run_dir, self.config.shard_index)
+        write_checkpoint(path, state)
+        self._checkpointed = (self.shard.version, time.monotonic())
+        return path
+
+    def _maybe_checkpoint(self) -> None:
+        cfg = self.config
+        if not (cfg.run_dir and self.shard.initialized):
+            return
+        version, when = self._checkpointed
+        due_updates = cfg.checkpoint_every and self.shard.version - version >= cfg.checkpoint_every
+        due_time = cfg.checkpoint_every_s and time.monotonic() - when >= cfg.checkpoint_every_s
+        if not ((due_updates or due_time) and self.shard.version != version):
+            return
+        try:
+            self.write_checkpoint()
+        except Exception as e:  # disk full, permissions: keep serving, try at the next interval
+            self.checkpoint_failures += 1
+            self._checkpointed = (self.shard.version, time.monotonic())
+            log.error(
+                "checkpoint at version %d failed (%s: %s); still serving, retrying at the "
+                "next interval",
+                self.shard.version,
+                type(e).__name__,
+                e,
+            )
+
+    def _restore(self, push_log: Path) -> None:
+        state = read_checkpoint(checkpoint_path(self.config.run_dir, self.config.shard_index))
+        logged = last_record(push_log)
+        last_version = int(logged.get("version", 0)) if logged else 0
+        if state is None:
+            self.lost_on_restore = last_version
+            return
+        self.shard.load_state_dict(state)
+        for worker, wave, clock in state["clocks"]:
+            self.clocks.join((worker, wave), clock)
+            self.stats.setdefault((worker, wave), WaveStats())
+        self._checkpointed = (self.shard.version, time.monotonic())
+        self.lost_on_restore = max(0, last_version - self.shard.version)
+        log.warning(
+            "shard %d restored version %d from its checkpoint (%d update(s) after it were lost)",
+            self.config.shard_index,
+            self.shard.version,
+            self.lost_on_restore,
+        )
