@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
+from zmq.utils.garbage import gc as zmq_garbage
 
 # Tests and the daemons they start share two cores: one torch thread each.
 torch.set_num_threads(1)
@@ -23,10 +25,15 @@ def wavelet_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "wavelet.scripts.cli", *args]
 
 
-def run_wavelet(*args: str, timeout: float) -> subprocess.CompletedProcess:
+def run_wavelet(*args: str, timeout: float, cwd=None) -> subprocess.CompletedProcess:
     """``wavelet ARGS`` to completion, as a user would run it; output captured."""
     return subprocess.run(
-        wavelet_cmd(*args), env=CHILD_ENV, capture_output=True, text=True, timeout=timeout
+        wavelet_cmd(*args),
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -149,3 +156,24 @@ def no_leftover_processes():
     for pid in leftovers:
         kill_tree(pid)
     assert not leftovers, f"tests left processes running: {leftovers}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_sockets(monkeypatch):
+    """Fail a test that leaves a ZeroMQ socket of its own process open (as pyzmq's suite does);
+    the leaked sockets are closed so that they do not spill into the next test."""
+    opened: list[zmq.Socket] = []
+    real_socket = zmq.Context.socket
+
+    def tracked(self, *args, **kwargs):
+        sock = real_socket(self, *args, **kwargs)
+        if self is not zmq_garbage._context:  # pyzmq's own zero-copy bookkeeping, process-wide
+            opened.append(sock)
+        return sock
+
+    monkeypatch.setattr(zmq.Context, "socket", tracked)
+    yield
+    leaked = [s for s in opened if not s.closed]
+    for s in leaked:
+        s.close(linger=0)
+    assert not leaked, f"the test left {len(leaked)} ZeroMQ socket(s) open"

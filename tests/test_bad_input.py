@@ -37,7 +37,11 @@ def _push(c, **over) -> tuple[Header, list[torch.Tensor]]:
     return Header(**fields), [torch.full((ch.numel,), 0.5) for ch in chunks]
 
 
+REFUSED = []  # every refusal _expect_error saw, to check the shard counted each one
+
+
 def _expect_error(h: Header, code: str, words: str = ""):
+    REFUSED.append(code)
     assert h.op == "error", h
     assert h.body["code"] == code, h.body
     assert words.lower() in h.body["message"].lower(), h.body
@@ -45,6 +49,7 @@ def _expect_error(h: Header, code: str, words: str = ""):
 
 def test_every_bad_request_is_refused_and_changes_nothing(shard):
     daemons, c, raw = shard
+    REFUSED.clear()
     before = shard_values(daemons.addresses)
     good_header, good = _push(c)
 
@@ -98,7 +103,8 @@ def test_every_bad_request_is_refused_and_changes_nothing(shard):
     changed = shard_values(daemons.addresses)
     assert not all(torch.equal(a, b) for a, b in zip(before, changed, strict=True))
     stats = raw.request(Header(op=Op.STATS))
-    assert stats.body["rejected"] >= 15
+    assert len(REFUSED) == 16
+    assert stats.body["rejected"] == len(REFUSED)
 
 
 def test_a_bad_init_does_not_seed_the_shard(shard_daemons):

@@ -69,6 +69,24 @@ def test_bad_values_name_the_problem(data, words):
         ["ps", "--shard-index", "5"],
         ["ps", "--bind", "127.0.0.1:5555"],
         ["worker", "--shard", "tcp://127.0.0.1:1"],  # 1 address for the default 2 shards
+        # non-finite numbers are refused up front, not blamed on the gradients later
+        ["launch", "--lr", "inf"],
+        ["launch", "--lr", "nan"],
+        ["launch", "--max-seconds", "inf"],
+        ["launch", "--set", "optimizer.kwargs.momentum=nan"],
+        ["launch", "--set", "dataset_kwargs.noise=-inf"],
+        # addresses, checked in one place for every command
+        ["stats", "not-an-address"],
+        ["stats", "tcp://127.0.0.1:abc"],
+        ["worker", "--shard", "tcp://127.0.0.1:abc", "--shard", "tcp://127.0.0.1:1"],
+        ["admin", "shutdown", "tcp://localhost", "--token-file", "x"],
+        # sweep lists
+        ["tune", "--bounds", "x"],
+        ["tune", "--bounds", ""],
+        ["tune", "--policies", ""],
+        ["tune", "--policies", "apply,nosuch"],
+        # numbers that are not numbers
+        ["ps", "--max-parked", "many"],
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(argv):
@@ -132,6 +150,7 @@ def test_same_seed_same_weights_even_from_parallel_threads():
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(60)
+        assert not t.is_alive()
     for sd in out[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out[0].values(), sd.values(), strict=True))

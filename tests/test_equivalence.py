@@ -77,6 +77,7 @@ def test_bulk_synchronous_equals_single_process(shard_daemons, waves, optimizer,
         t.start()
     for t in threads:
         t.join(60)
+        assert not t.is_alive(), "a wave did not finish"
     assert not errors, errors
     got = shard_values(daemons.addresses)
     want = _reference(waves, make_opt)

@@ -4,6 +4,7 @@ that never dies; checkpoints that survive a crash at any moment."""
 import random
 import signal
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -82,14 +83,28 @@ def test_killed_shard_restarts_from_its_checkpoint_and_training_finishes(tmp_pat
     assert killed >= calm - 0.01, (killed, calm)
 
 
-def test_checkpoint_is_atomic_and_loads_tensors_only(tmp_path):
+def test_checkpoint_is_atomic_and_loads_tensors_only(tmp_path, monkeypatch):
     path = checkpoint_path(tmp_path, 0)
     write_checkpoint(path, {"version": 3, "values": [torch.ones(4)]})
-    # a crash while writing the next one leaves a partial temporary file, not a broken checkpoint
-    (path.parent / (path.name + ".tmp")).write_bytes(b"partial")
+
+    # the next write dies half-way through writing its bytes (a crash, a full disk)
+    real_save = torch.save
+
+    def crash_half_way(obj, f, *a, **kw):
+        f.write(b"\x80\x02partial")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", crash_half_way)
+    with pytest.raises(OSError):
+        write_checkpoint(path, {"version": 4, "values": [torch.zeros(4)]})
+    monkeypatch.setattr(torch, "save", real_save)
     state = read_checkpoint(path)
     assert state["version"] == 3 and torch.equal(state["values"][0], torch.ones(4))
     assert read_checkpoint(checkpoint_path(tmp_path, 1)) is None
+    # what is not plain tensors and data is refused, not unpickled
+    torch.save({"evil": Path("x")}, checkpoint_path(tmp_path, 2))
+    with pytest.raises(Exception, match="(?i)weights only"):
+        read_checkpoint(checkpoint_path(tmp_path, 2))
 
 
 def test_parked_pulls_are_limited(shard_daemons):

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import kill_tree, run_wavelet, started, wavelet_cmd
 
-from wavelet.common.records import read_records
+from wavelet.common.records import last_record, read_records
+from wavelet.ps.checkpoints import read_checkpoint
+from wavelet.scripts.launch import Progress
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -161,3 +163,41 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     assert max(r["clock"] for r in rows if r["kind"] == "step") == 30 * 22 - 1
     assert json.loads((run_dir / "summary.json").read_text())["test_accuracy"] >= 0.97
     _assert_nothing_left(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp_path):
+    cm, proc, run_dir = _start_launcher(tmp_path, "--epochs", "40", "--checkpoint-every", "60")
+    try:
+        checkpoint = run_dir / "checkpoints" / "shard-0.pt"
+        _wait_for(checkpoint.exists, 90, "no checkpoint was written")
+        time.sleep(1.0)  # some updates after it
+        shard = [
+            p
+            for p in _processes_mentioning(str(run_dir))
+            if b"--shard-index\x000" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        assert len(shard) == 1
+        os.kill(shard[0], signal.SIGKILL)
+        assert proc.wait(30) == 1
+        log = (tmp_path / "launch.log").read_text()
+        assert "ps-0 exited with status -9" in log
+        assert f"wavelet launch --resume {run_dir}" in log
+        _assert_nothing_left(run_dir)
+    finally:
+        cm.__exit__(None, None, None)
+    # what the killed shard applied after its last checkpoint is lost; the other stopped cleanly
+    logged = last_record(run_dir / "records" / "ps-0-pushes.jsonl")["version"]
+    kept = read_checkpoint(checkpoint)["version"]
+    assert logged > kept
+    done = run_wavelet("launch", "--resume", str(run_dir), timeout=200)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lost_updates"] == logged - kept
+    assert f"lost {logged - kept} update(s)" in done.stdout
+
+
+def test_progress_shows_a_dash_until_there_is_a_number(tmp_path):
+    line = Progress(tmp_path, epochs=15).line(0.0)
+    assert "loss -  - samples/s" in line and "nan" not in line

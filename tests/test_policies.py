@@ -108,7 +108,7 @@ def test_drop_never_applies_a_gradient_over_the_limit(shard_daemons):
 def test_scale_with_no_staleness_equals_apply(shard_daemons):
     results = {}
     for policy in ("apply", "scale"):
-        daemons, (a, am), _ = _two_waves(shard_daemons, policy)
+        daemons, (a, am), (b, _) = _two_waves(shard_daemons, policy)
         try:
             r = a.pull(0)
             for clock in range(3):
@@ -117,6 +117,7 @@ def test_scale_with_no_staleness_equals_apply(shard_daemons):
             results[policy] = _params(shard_values(daemons.addresses))
         finally:
             a.close()
+            b.close()
     for x, y in zip(results["apply"], results["scale"], strict=True):
         assert np.array_equal(x, y)
 

@@ -49,6 +49,7 @@ def _run(daemons, slow_delay_s):
         t.start()
     for t in threads:
         t.join(90)
+        assert not t.is_alive(), "a wave did not finish"
     assert not errors, errors
     return fast, slow
 

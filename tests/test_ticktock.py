@@ -2,6 +2,7 @@
 saved-activation bytes are measured exactly."""
 
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -43,15 +44,62 @@ def test_meter_counts_saved_activations_once_and_releases_them():
     assert meter.trace[-1][1] == 0 and max(b for _, b in meter.trace) == meter.peak
 
 
+def _turn(baton: ForwardBaton, wave: int, order: list[int]) -> None:
+    """One forward turn, which must be granted at once: the baton's own stall timeout is an
+    hour, so a turn that is not granted fails here instead of being skipped after a wait."""
+    t = threading.Thread(target=lambda: (baton.acquire(wave), order.append(wave)), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), f"wave {wave} was not given its turn"
+    baton.release(wave)
+
+
 def test_baton_alternates_and_skips_a_wave_that_left():
-    baton = ForwardBaton(2, timeout_s=5)
+    baton = ForwardBaton(2, timeout_s=3600)
     order = []
-    baton.acquire(0), order.append(0), baton.release(0)
-    baton.acquire(1), order.append(1), baton.release(1)
+    _turn(baton, 0, order)
+    _turn(baton, 1, order)
     baton.leave(1)
-    baton.acquire(0), order.append(0), baton.release(0)
-    baton.acquire(0), order.append(0), baton.release(0)  # tock left: tick goes on alone
+    _turn(baton, 0, order)
+    _turn(baton, 0, order)  # tock left: tick goes on alone, without waiting for tock's turn
     assert order == [0, 1, 0, 0]
+
+
+def test_baton_makes_a_wave_wait_for_its_turn():
+    baton = ForwardBaton(2, timeout_s=3600)
+    _turn(baton, 0, [])
+    got = threading.Event()
+    t = threading.Thread(target=lambda: (baton.acquire(0), got.set()), daemon=True)
+    t.start()
+    assert not got.wait(0.5), "tick forwarded twice while tock was waiting for its turn"
+    _turn(baton, 1, [])
+    assert got.wait(5)
+    baton.release(0)
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_a_garbage_collection_inside_the_meter_does_not_deadlock():
+    """Autograd frees saved tensors from ``__del__``, which may run while the same thread holds
+    the meter's lock (a collection triggered inside ``_pack``)."""
+    meter = SavedActivationMeter()
+    x = torch.ones(64, requires_grad=True)
+    with meter.hooks():
+        y = (x * 2).sin()
+    assert meter.current > 0
+    holder = {"y": y}
+    del y
+
+    def collect_while_locked():
+        with meter._lock:
+            holder.clear()  # the graph and its saved tensors go now, on this thread
+
+    t = threading.Thread(target=collect_while_locked, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the meter deadlocked on its own lock"
+    meter.cancel_watch()  # any call that takes the lock counts what was freed meanwhile
+    assert meter.current == 0
 
 
 def _run_worker(shard_daemons, tmp_path, waves: int):

@@ -250,12 +250,14 @@ class PSClient:
         self._watch_connections(block_ms=0)
         rid = next(self._ids)
         replies: list = [None] * len(self.sockets)
+        unsent: dict[int, tuple[Header, list[torch.Tensor]]] = {}
         for i, (h, tensors) in enumerate(messages):
             if recover is not None and self._restarted[i]:
                 replies[i] = self._rejoin(i, recover)
                 continue
             h.request_id = rid
-            self._send(i, h, tensors)
+            if not self._try_send(i, h, tensors):
+                unsent[i] = (h, tensors)  # no connection yet: retried below, one deadline for all
         deadline = time.monotonic() + self.timeout_s
         while any(r is None for r in replies):
             if self.stop.is_set():
@@ -268,7 +270,10 @@ class PSClient:
                     "check that `wavelet ps` runs there and the address is right",
                     missing,
                 )
-            for sock, _ in self.poller.poll(min(left, 0.2) * 1000):
+            for i in [i for i in unsent if self._try_send(i, *unsent[i])]:
+                del unsent[i]
+            wait_s = min(left, 0.05 if unsent else 0.2)
+            for sock, _ in self.poller.poll(wait_s * 1000):
                 if sock in self._monitor_index:
                     self._on_monitor_event(sock)
                     continue
@@ -286,10 +291,19 @@ class PSClient:
             if recover is not None:
                 for i, r in enumerate(replies):
                     if r is None and self._restarted[i]:
+                        unsent.pop(i, None)  # the re-join's pull stands in for it
                         replies[i] = self._rejoin(i, recover)
         return replies
 
     # --- shard restarts -----------------------------------------------------------------------
+
+    def _try_send(self, i: int, header: Header, tensors: list[torch.Tensor]) -> bool:
+        """Queue a message for shard ``i`` without waiting; False while it cannot be queued."""
+        try:
+            send_message(self.sockets[i], header, tensors, flags_nonblocking=True)
+        except zmq.Again:
+            return False
+        return True
 
     def _send(self, i: int, header: Header, tensors: list[torch.Tensor]) -> None:
         try:

@@ -2,7 +2,7 @@
 # The comparisons quoted in README.md and docs/design.md, rerunnable: tick-tock against one wave,
 # two waves started together, bulk-synchronous and all-reduce (wavelet compare), and staleness
 # sweeps with and without a straggler (wavelet tune). Reports land in runs/bench/*/report.md.
-# About 40 minutes on a 2-core machine; run nothing else meanwhile. `bash scripts/bench_modes.sh
+# About 40 minutes on a 2-core machine; run nothing else meanwhile. `bash benchmarks/bench_modes.sh
 # compare` or `... tune` runs one half.
 set -euo pipefail
 cd "$(dirname "$0")/.."

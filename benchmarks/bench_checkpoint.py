@@ -4,7 +4,7 @@ A shard holding 11M float32 parameters (44 MB, ResNet-18's size) with SGD moment
 44 MB) writes its checkpoint (torch.save, fsync, rename, fsync of the folder); the baseline writes
 the same number of bytes with one write and an fsync. Medians over repeats, alternating.
 
-Run: ``python scripts/bench_checkpoint.py`` (``--help`` for sizes and repeats).
+Run: ``python benchmarks/bench_checkpoint.py`` (``--help`` for sizes and repeats).
 """
 
 from __future__ import annotations

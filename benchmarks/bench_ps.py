@@ -10,7 +10,7 @@ side by side in one run, in alternating rounds, reported as medians with ratios:
 - gloo all_reduce: the tensor all-reduced between 2 processes (what DDP does with gradients).
 - with ``--curve``: the wavelet PS round trip again, with CURVE encryption and authentication.
 
-Run: ``python scripts/bench_ps.py`` (``--help`` for sizes and repeats).
+Run: ``python benchmarks/bench_ps.py`` (``--help`` for sizes and repeats).
 """
 
 from __future__ import annotations
