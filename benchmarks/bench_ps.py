@@ -9,6 +9,8 @@ side by side in one run, in alternating rounds, reported as medians with ratios:
   same number of bytes (DEALER/ROUTER, zero-copy, no protocol, no optimizer).
 - gloo all_reduce: the tensor all-reduced between 2 processes (what DDP does with gradients).
 - with ``--curve``: the wavelet PS round trip again, with CURVE encryption and authentication.
+- with ``--slow-reader``: the wavelet PS round trip again, on shards that a second client keeps
+  sending weight replies it never reads (the shards must neither wait for it nor tear a reply).
 
 Run: ``python benchmarks/bench_ps.py`` (``--help`` for sizes and repeats).
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from wavelet.common.protocol import Header, Op, encode
 from wavelet.common.security import JobKeys
 from wavelet.common.sharding import ShardingPlan
 from wavelet.worker.client import PSClient
@@ -157,7 +160,24 @@ class WaveletPS:
         self.pulled = self.client.push_pull(self.clock, self.pulled.versions)
         self.clock += 1
 
+    def add_slow_reader(self, pulls: int = 6) -> None:
+        """A client per shard that asks for the weights ``pulls`` times and never reads."""
+        self.slow = []
+        for address in self.addresses:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.connect(address)
+            for i in range(pulls):
+                h = Header(op=Op.PULL, request_id=i + 1, plan=self.client.plan.fingerprint)
+                h.body = {"observer": True}
+                sock.send_multipart([bytes(f) for f in encode(h)])
+            self.slow.append(sock)
+        time.sleep(0.5)  # the replies fill every buffer between the shards and it
+
     def close(self) -> None:
+        for sock in getattr(self, "slow", []):
+            sock.close(0)
         self.client.leave()
         self.client.close()
         for p in self.procs:
@@ -236,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time push+pull with CURVE encryption and authentication",
     )
+    p.add_argument(
+        "--slow-reader",
+        action="store_true",
+        help="also time push+pull while another client never reads its weight replies",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     nbytes = args.numel * 4
@@ -247,13 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.curve:
         times["wavelet PS push+pull, CURVE"] = []
+    if args.slow_reader:
+        times["wavelet PS push+pull, a client never reads"] = []
     with tempfile.TemporaryDirectory() as tmp:
         ps = WaveletPS(args.shards, args.numel, Path(tmp))
         secure = WaveletPS(args.shards, args.numel, Path(tmp), curve=True) if args.curve else None
+        slowed = None
+        if args.slow_reader:
+            slowed = WaveletPS(args.shards, args.numel, Path(tmp) / "slow")
+            slowed.add_slow_reader()
         raw = RawZmq(args.shards, per_shard)
         gloo = Gloo(args.numel, args.iters)
         try:
-            for step in (ps.step, raw.step) + ((secure.step,) if secure else ()):
+            extra = tuple(x.step for x in (secure, slowed) if x)
+            for step in (ps.step, raw.step, *extra):
                 # warm-up: first touches page in buffers
                 _timed(step, 2)
             for r in range(args.rounds):
@@ -261,13 +293,17 @@ def main(argv: list[str] | None = None) -> int:
                 times["wavelet PS push+pull"] += _timed(ps.step, args.iters)
                 if secure:
                     times["wavelet PS push+pull, CURVE"] += _timed(secure.step, args.iters)
+                if slowed:
+                    t = _timed(slowed.step, args.iters)
+                    times["wavelet PS push+pull, a client never reads"] += t
                 gloo_times = gloo.round()
                 times["gloo all_reduce (2 procs)"] += gloo_times if r else gloo_times[2:]
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             ps.close()
-            if secure:
-                secure.close()
+            for extra_ps in (secure, slowed):
+                if extra_ps:
+                    extra_ps.close()
             raw.close()
             gloo.close()
     medians = {k: statistics.median(v) for k, v in times.items()}
