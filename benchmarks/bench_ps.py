@@ -4,7 +4,8 @@ All three move the same tensor (11M float32 by default, ResNet-18's size) on loo
 side by side in one run, in alternating rounds, reported as medians with ratios:
 
 - wavelet PS: a PSClient pushes the gradient to 2 shard daemons (``wavelet ps``) and pulls the
-  updated weights, in one round trip per shard; the shards validate the push and run SGD.
+  updated weights, in one round trip per shard; the shards validate the push and run SGD. Twice:
+  tensors through shared memory (the default on one host) and as ZeroMQ frames over TCP.
 - raw pyzmq: the same bytes, split the same way, sent to 2 server processes that answer with the
   same number of bytes (DEALER/ROUTER, zero-copy, no protocol, no optimizer).
 - gloo all_reduce: the tensor all-reduced between 2 processes (what DDP does with gradients).
@@ -139,26 +140,43 @@ class WaveletPS:
                     raise RuntimeError("shard daemon did not start")
                 time.sleep(0.05)
             addresses.append(ready.read_text().strip())
-        self.weight = torch.nn.Parameter(torch.randn(numel) * 0.01)
-        self.weight.grad = torch.randn(numel) * 1e-4
-        plan = ShardingPlan.build([("w", self.weight, True)], shards, 4 << 20)
-        self.client = PSClient(
-            addresses,
+        self.addresses = addresses
+        self.keys = keys
+        self.numel = numel
+        self.waves: dict[str, list] = {}
+        self.client = self._join("tcp")
+        self.step = lambda: self._step("tcp")
+
+    def _join(self, transport: str) -> PSClient:
+        """A client of its own (model, worker name) for ``transport``, registered and pulled."""
+        weight = torch.nn.Parameter(torch.randn(self.numel) * 0.01)
+        weight.grad = torch.randn(self.numel) * 1e-4
+        plan = ShardingPlan.build([("w", weight, True)], len(self.addresses), 4 << 20)
+        client = PSClient(
+            self.addresses,
             plan,
-            {"w": self.weight},
-            "bench",
+            {"w": weight},
+            f"bench-{transport}",
             0,
             120.0,
-            keys=keys.client("bench") if keys else None,
+            keys=self.keys.client("bench") if self.keys else None,
+            transport=transport,
         )
-        self.client.register(0)
-        self.pulled = self.client.pull(0)
-        self.clock = 0
-        self.addresses = addresses
+        client.register(0)
+        self.waves[transport] = [client, client.pull(0), 0, weight]
+        return client
 
-    def step(self) -> None:
-        self.pulled = self.client.push_pull(self.clock, self.pulled.versions)
-        self.clock += 1
+    def step_over(self, transport: str):
+        """The push+pull step of a client of this transport (joined on first use)."""
+        if transport not in self.waves:
+            self._join(transport)
+        return lambda: self._step(transport)
+
+    def _step(self, transport: str) -> None:
+        wave = self.waves[transport]
+        client, pulled, clock, _ = wave
+        wave[1] = client.push_pull(clock, pulled.versions)
+        wave[2] = clock + 1
 
     def add_slow_reader(self, pulls: int = 6) -> None:
         """A client per shard that asks for the weights ``pulls`` times and never reads."""
@@ -178,8 +196,9 @@ class WaveletPS:
     def close(self) -> None:
         for sock in getattr(self, "slow", []):
             sock.close(0)
-        self.client.leave()
-        self.client.close()
+        for client, *_ in self.waves.values():
+            client.leave()
+            client.close()
         for p in self.procs:
             p.terminate()
             p.wait(15)
@@ -266,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = args.numel * 4
     per_shard = nbytes // args.shards
     times: dict[str, list[float]] = {
-        "wavelet PS push+pull": [],
+        "wavelet PS push+pull, shared memory": [],
+        "wavelet PS push+pull, TCP": [],
         "raw pyzmq same bytes": [],
         "gloo all_reduce (2 procs)": [],
     }
@@ -276,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         times["wavelet PS push+pull, a client never reads"] = []
     with tempfile.TemporaryDirectory() as tmp:
         ps = WaveletPS(args.shards, args.numel, Path(tmp))
+        shm_step = ps.step_over("shm")
         secure = WaveletPS(args.shards, args.numel, Path(tmp), curve=True) if args.curve else None
         slowed = None
         if args.slow_reader:
@@ -285,12 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         gloo = Gloo(args.numel, args.iters)
         try:
             extra = tuple(x.step for x in (secure, slowed) if x)
-            for step in (ps.step, raw.step, *extra):
+            for step in (shm_step, ps.step, raw.step, *extra):
                 # warm-up: first touches page in buffers
                 _timed(step, 2)
             for r in range(args.rounds):
                 times["raw pyzmq same bytes"] += _timed(raw.step, args.iters)
-                times["wavelet PS push+pull"] += _timed(ps.step, args.iters)
+                times["wavelet PS push+pull, shared memory"] += _timed(shm_step, args.iters)
+                times["wavelet PS push+pull, TCP"] += _timed(ps.step, args.iters)
                 if secure:
                     times["wavelet PS push+pull, CURVE"] += _timed(secure.step, args.iters)
                 if slowed:
@@ -309,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     medians = {k: statistics.median(v) for k, v in times.items()}
     raw_t = medians["raw pyzmq same bytes"]
     gloo_t = medians["gloo all_reduce (2 procs)"]
+    tcp_t = medians["wavelet PS push+pull, TCP"]
     print(
         f"\n{args.numel:,} float32 ({nbytes / 1e6:.0f} MB), {args.shards} shards, "
         f"{args.rounds}x{args.iters} operations each, medians on {os.cpu_count()} cores\n"
@@ -317,13 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     # all_reduce sends 2 * (n - 1) / n of it and receives as much), so GB/s compare directly.
     print(
         "| method | median ms | GB/s (bytes sent + received) | throughput vs raw pyzmq | "
-        "time vs gloo all_reduce |"
+        "time vs gloo all_reduce | speed vs PS over TCP |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, t in medians.items():
         print(
             f"| {name} | {1000 * t:.1f} | {2 * nbytes / t / 1e9:.2f} | {raw_t / t:.2f}x | "
-            f"{t / gloo_t:.2f}x |"
+            f"{t / gloo_t:.2f}x | {tcp_t / t:.2f}x |"
         )
     return 0
 

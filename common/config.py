@@ -94,6 +94,7 @@ MODES = ("ps", "allreduce")
 # Names of ps/policy.py's policies (kept here so config has no dependency on the ps package).
 STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
 SCHEDULES = ("ticktock", "together")
+TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
 BUILTIN_MODELS = ("mlp", "digits_cnn", "resnet18")  # common/models.py; or package.module:function
 BUILTIN_DATASETS = ("digits", "synthetic")  # common/datasets.py; or package.module:function
 
@@ -278,6 +279,9 @@ class PSConfig:
     insecure: bool = setting(
         False, help="allow binding beyond loopback without CURVE (traffic in the clear)"
     )
+    shm: bool = setting(
+        True, help="offer shared-memory segments to waves on this host (--no-shm: TCP only)"
+    )
     admin_token_file: str = setting(
         "",
         help="file of the token checkpoint and shutdown requests need (made 0600 if missing; "
@@ -322,7 +326,12 @@ class WorkerConfig:
     device: str = setting("cpu", help="the device whose waves this daemon runs: cpu, cuda:N")
     rank: int = setting(0, help="this worker's index among --num-workers")
     num_workers: int = setting(1, help="worker daemons in the job")
-    threads: int = setting(0, help="torch threads of this process (0: all cores)")
+    threads: int = setting(
+        0, help="torch threads of this process (0: chosen by a short probe, worker/threads.py)"
+    )
+    core_budget: int = setting(
+        0, help="CPU cores this process may use when it chooses its threads (0: all)"
+    )
     run_dir: str = setting("runs/latest", help="where records go")
     mode: str = setting(
         "ps",
@@ -334,6 +343,12 @@ class WorkerConfig:
         "ticktock",
         help="ticktock: forwards take turns; together: waves start at once",
         choices=SCHEDULES,
+    )
+    transport: str = setting(
+        "auto",
+        help="how tensors move to shards: shm (shared memory, same host), tcp (ZeroMQ frames), "
+        "or auto (shm where a shard offers it and its segments open, else tcp)",
+        choices=TRANSPORTS,
     )
     device_index: int = setting(
         -1,
@@ -360,6 +375,7 @@ class WorkerConfig:
         if not 0 <= self.rank < self.num_workers:
             raise ConfigError(f"rank {self.rank} is out of range for {self.num_workers} workers")
         _non_negative("threads", self.threads)
+        _non_negative("core_budget", self.core_budget)
         if self.device_index < 0:
             self.device_index = self.rank
         if bool(self.curve_secret) != bool(self.curve_server_key):
@@ -414,6 +430,12 @@ class LaunchConfig:
         0,
         help="torch threads per worker process (0: the cores divided among the waves that "
         "run at once)",
+    )
+    transport: str = setting(
+        "auto",
+        help="how tensors move to shards: shm (shared memory, same host), tcp (ZeroMQ frames), "
+        "or auto (shm where a shard offers it and its segments open, else tcp)",
+        choices=TRANSPORTS,
     )
 
     def __post_init__(self) -> None:

@@ -35,6 +35,7 @@ class Op(enum.StrEnum):
     PUSH_PULL = "push_pull"  # push, then pull for the next clock, in one round trip
     LEAVE = "leave"  # a wave is done; it stops counting towards the staleness bound
     HEARTBEAT = "heartbeat"  # a worker's waves are alive (body.waves: their indices)
+    ATTACH = "attach"  # a wave asks for shared-memory segments (or gives them up: transport tcp)
     STATS = "stats"  # versions, clocks, staleness histograms
     CHECKPOINT = "checkpoint"  # write a checkpoint now
     SHUTDOWN = "shutdown"  # stop the shard daemon
@@ -48,6 +49,7 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_OP = "unknown_op"
     NOT_INITIALIZED = "not_initialized"
     NOT_REGISTERED = "not_registered"
+    NOT_ATTACHED = "not_attached"
     PLAN_MISMATCH = "plan_mismatch"
     UNKNOWN_KEY = "unknown_key"
     BAD_SHAPE = "bad_shape"
@@ -294,11 +296,13 @@ class InitRequest(Body):
 @dataclass(frozen=True)
 class PullRequest(Body):
     observer: bool = False  # evaluation and tools: read the current weights, never park
+    shm: bool = False  # answer through the wave's pull segment, not tensor frames
 
 
 @dataclass(frozen=True)
 class PushRequest(Body):
     lr_scale: float = 1.0  # the job's learning-rate schedule at this clock
+    shm: bool = False  # the gradients are in the wave's push segment, not in tensor frames
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lr_scale <= 1.0:
@@ -316,6 +320,15 @@ class EmptyRequest(Body):
 
 
 @dataclass(frozen=True)
+class AttachRequest(Body):
+    transport: str = "shm"  # shm: make this wave's segments; tcp: drop them
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("shm", "tcp"):
+            raise ValueError(f"transport must be shm or tcp, got {self.transport!r}")
+
+
+@dataclass(frozen=True)
 class AdminRequest(Body):
     token: str = ""  # the shard's admin token (run dir's admin.token), for checkpoint/shutdown
 
@@ -328,6 +341,7 @@ REQUEST_BODIES: dict[str, type[Body]] = {
     Op.PUSH_PULL: PushRequest,
     Op.LEAVE: EmptyRequest,
     Op.HEARTBEAT: HeartbeatRequest,
+    Op.ATTACH: AttachRequest,
     Op.STATS: EmptyRequest,
     Op.CHECKPOINT: AdminRequest,
     Op.SHUTDOWN: AdminRequest,
@@ -377,6 +391,18 @@ class WeightsReply(Body):
     parked_s: float  # how long the staleness bound held the read back
     slowest_clock: int  # slowest live wave's clock when the read was served (-1: none)
     action: str = ""  # with push_pull: what became of the pushed gradient
+    shm: bool = False  # the weights are in the wave's pull segment, not in tensor frames
+
+
+@dataclass(frozen=True)
+class AttachReply(Body):
+    version: int
+    transport: str  # what the shard will use for this wave: shm or tcp
+    push_segment: str = ""  # file names in the shared-memory folder (/dev/shm)
+    pull_segment: str = ""
+    nonce: str = ""  # written into both segments' first bytes: proves the client opened them
+    size: int = 0  # bytes of each segment
+    offsets: list[int] = field(default_factory=list)  # byte offset of each chunk, plan order
 
 
 @dataclass(frozen=True)
@@ -404,6 +430,7 @@ REPLY_BODIES: dict[str, type[Body]] = {
     Op.PUSH_PULL: WeightsReply,
     Op.LEAVE: Ack,
     Op.HEARTBEAT: Ack,
+    Op.ATTACH: AttachReply,
     Op.STATS: StatsReply,
     Op.CHECKPOINT: CheckpointReply,
     Op.SHUTDOWN: Ack,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -24,6 +25,8 @@ from wavelet.common.config import PSConfig
 from wavelet.common.protocol import (
     Ack,
     AdminRequest,
+    AttachReply,
+    AttachRequest,
     CheckpointReply,
     ErrorCode,
     Header,
@@ -46,8 +49,10 @@ from wavelet.common.protocol import (
     wave_name,
 )
 from wavelet.common.records import RecordWriter, last_record
+from wavelet.common.shm import run_prefix
 from wavelet.ps.checkpoints import checkpoint_path, read_checkpoint, write_checkpoint
 from wavelet.ps.policy import make_policy
+from wavelet.ps.segments import SegmentStore
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats
 from wavelet.ps.synchronous import SyncSum
@@ -79,6 +84,7 @@ class _ParkedPull:
     clock: int
     since: float
     action: str = ""  # what became of the push that came with this pull
+    shm: bool = False  # answer through the wave's pull segment
 
 
 class ShardService:
@@ -111,6 +117,11 @@ class ShardService:
         self._handlers: dict[str, Callable[..., Any]] = {
             op: getattr(self, f"rpc_{op}") for op in Op if op not in (Op.REPLY, Op.ERROR)
         }
+        self.segments: SegmentStore | None = None
+        if config.shm:
+            # per run dir, so that a restarted shard or the launcher finds what a killed one left
+            base = run_prefix(config.run_dir) if config.run_dir else f"wavelet-{os.getpid()}-"
+            self.segments = SegmentStore(f"{base}s{config.shard_index}-")
         self.push_log: RecordWriter | None = None
         self._checkpointed = (0, time.monotonic())  # version and time of the last checkpoint
         if config.run_dir:
@@ -178,6 +189,8 @@ class ShardService:
             for p in self.parked
         ]
         self.parked.clear()
+        if self.segments:
+            self.segments.close()
         if self.push_log:
             self.push_log.close()
         return out
@@ -225,8 +238,10 @@ class ShardService:
             self.shard.check_plan(h.plan)
             return self._weights(peer, h.request_id, None, h.clock, parked_s=0.0)
         wave = self._registered(h)
+        if body.shm:
+            self._segments_of(wave)
         self._check_park_room()
-        return self._pull_or_park(peer, h.request_id, wave, h.clock)
+        return self._pull_or_park(peer, h.request_id, wave, h.clock, shm=body.shm)
 
     def rpc_push(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing:
         _, action = self._push(h, body, tensors)
@@ -235,14 +250,41 @@ class ShardService:
     def rpc_push_pull(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing | None:
         self._check_park_room()  # before the push: a refused request must change nothing
         wave, action = self._push(h, body, tensors)
-        return self._pull_or_park(peer, h.request_id, wave, self.clocks.clocks[wave], action)
+        clock = self.clocks.clocks[wave]
+        return self._pull_or_park(peer, h.request_id, wave, clock, action, shm=body.shm)
 
     def rpc_leave(self, peer, h: Header, body, tensors) -> Outgoing:
         wave = self._registered(h)
         self._leave(wave)
+        if self.segments:
+            self.segments.detach(wave)  # it is done: free its segments
         log.info("wave %s left at clock %d", wave_name(*wave), self.clocks.clocks[wave])
         self._apply_sum_if_complete()
         return self._reply(peer, h, Ack(self.shard.version))
+
+    def rpc_attach(self, peer, h: Header, body: AttachRequest, tensors) -> Outgoing:
+        wave = self._registered(h)
+        self.shard.check_plan(h.plan)
+        if body.transport == "tcp" or self.segments is None:
+            if self.segments:
+                self.segments.detach(wave)
+            self.stats[wave].transport = "tcp"
+            return self._reply(peer, h, AttachReply(self.shard.version, "tcp"))
+        segments = self.segments.attach(wave, self.shard.specs)
+        self.stats[wave].transport = "shm"
+        return self._reply(
+            peer,
+            h,
+            AttachReply(
+                version=self.shard.version,
+                transport="shm",
+                push_segment=segments.push.name,
+                pull_segment=segments.pull.name,
+                nonce=segments.push.nonce,
+                size=segments.push.size,
+                offsets=segments.offsets,
+            ),
+        )
 
     def rpc_stats(self, peer, h: Header, body, tensors) -> Outgoing:
         waves = {}
@@ -309,6 +351,12 @@ class ShardService:
                 f"bulk-synchronous clock {self.sync.clock} is still open; "
                 f"pull before pushing clock {clock}",
             )
+        if body.shm:
+            if tensors:
+                raise ProtocolError(
+                    ErrorCode.MALFORMED, "a shared-memory push carries no tensor frames"
+                )
+            tensors = self._segments_of(wave).push_views  # validated below like frames
         shard.check_push(h.keys, tensors)
         lr_scale = body.lr_scale
 
@@ -360,11 +408,19 @@ class ShardService:
         self.shard.apply(grads, lr_scale)
 
     def _pull_or_park(
-        self, peer: bytes, request_id: int, wave: WaveId, clock: int, action: str = ""
+        self,
+        peer: bytes,
+        request_id: int,
+        wave: WaveId,
+        clock: int,
+        action: str = "",
+        shm: bool = False,
     ) -> Outgoing | None:
         if self._may_read(clock):
-            return self._weights(peer, request_id, wave, clock, 0.0, action)
-        self.parked.append(_ParkedPull(peer, request_id, wave, clock, time.monotonic(), action))
+            return self._weights(peer, request_id, wave, clock, 0.0, action, shm)
+        self.parked.append(
+            _ParkedPull(peer, request_id, wave, clock, time.monotonic(), action, shm)
+        )
         self.stats[wave].parked += 1
         return None
 
@@ -394,7 +450,9 @@ class ShardService:
             if self._may_read(p.clock):
                 waited = time.monotonic() - p.since
                 self.stats[p.wave].parked_s += waited
-                out.append(self._weights(p.peer, p.request_id, p.wave, p.clock, waited, p.action))
+                out.append(
+                    self._weights(p.peer, p.request_id, p.wave, p.clock, waited, p.action, p.shm)
+                )
             else:
                 still.append(p)
         self.parked = still
@@ -408,6 +466,7 @@ class ShardService:
         clock: int,
         parked_s: float,
         action: str = "",
+        shm: bool = False,
     ) -> Outgoing:
         slowest = self.clocks.min_live_clock()
         body = WeightsReply(
@@ -416,6 +475,7 @@ class ShardService:
             parked_s=parked_s,
             slowest_clock=-1 if slowest is None else slowest,
             action=action,
+            shm=shm,
         )
         if wave is not None:
             self.stats[wave].record_read(clock, self.shard.version)
@@ -423,6 +483,13 @@ class ShardService:
                 self.policy.on_read(wave, self.shard.params)
         header = reply_header(request_id, body)
         header.keys = self.shard.keys
+        if shm and wave is not None:
+            # the wave reads its segment before its next request: nothing else writes it meanwhile
+            for view, value in zip(
+                self._segments_of(wave).pull_views, self.shard.values(), strict=True
+            ):
+                view.copy_(value)
+            return Outgoing(peer, header)
         return Outgoing(peer, header, self.shard.values())
 
     # --- membership, admin, errors ------------------------------------------------------------
@@ -446,6 +513,16 @@ class ShardService:
         if wave in self.clocks.live:
             self.clocks.seen(wave)  # any request is a sign of life
         return wave
+
+    def _segments_of(self, wave: WaveId):
+        segments = self.segments.get(wave) if self.segments else None
+        if segments is None:
+            raise ProtocolError(
+                ErrorCode.NOT_ATTACHED,
+                f"wave {wave_name(*wave)} has no shared-memory segments on this shard; "
+                "attach first (or send tensor frames)",
+            )
+        return segments
 
     def _check_admin(self, h: Header, body: AdminRequest) -> None:
         if not self._admin_token:

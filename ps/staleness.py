@@ -75,6 +75,7 @@ class WaveStats:
     parked_s: float = 0.0
     dropped: int = 0
     rejected: Counter = field(default_factory=Counter)
+    transport: str = "tcp"  # how its tensors travel: tcp (frames) or shm (segments)
 
     def record_push(self, tau: int) -> None:
         self.pushes += 1
@@ -98,4 +99,5 @@ class WaveStats:
             "parked_s": self.parked_s,
             "dropped": self.dropped,
             "rejected": dict(self.rejected),
+            "transport": self.transport,
         }

@@ -105,7 +105,8 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...
         kind, default = hints[f.name], _field_default(f)
         kw: dict[str, Any] = {"dest": f.name, "help": _flag_help(f, default)}
         if kind is bool:
-            p.add_argument(flag, action="store_true", **kw)
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            p.add_argument(flag, action=action, default=default, **kw)
         elif kind == list[str] and flag == "--shard":
             p.add_argument(flag, action="append", default=None, metavar="ADDRESS", **kw)
         elif kind == list[str]:

@@ -22,8 +22,13 @@ from wavelet.scripts.plots import accuracy_vs_time, memory_timelines
 # name -> (description, launch settings, job settings); each is the same job otherwise
 MODES: dict[str, tuple[str, dict, dict]] = {
     "ticktock": (
-        "PS, 2 waves per device taking turns at forward",
+        "PS, 2 waves per device taking turns at forward (shared memory to co-located shards)",
         {"schedule": "ticktock"},
+        {"waves": 2},
+    ),
+    "ticktock-tcp": (
+        "PS, 2 waves tick-tock, tensors over TCP (ZeroMQ frames) even to co-located shards",
+        {"schedule": "ticktock", "transport": "tcp"},
         {"waves": 2},
     ),
     "ticktock-wide": (

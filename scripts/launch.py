@@ -26,6 +26,7 @@ from wavelet.common.metrics import push_staleness
 from wavelet.common.protocol import Op, ShardError
 from wavelet.common.records import read_records
 from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
+from wavelet.common.shm import remove_segments, run_prefix
 from wavelet.scripts.plots import staleness_histograms
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
 from wavelet.worker.client import call_shard
@@ -109,7 +110,8 @@ class Job:
         )
 
     def teardown(self) -> None:
-        """SIGTERM every child still running, wait, then SIGKILL what is left."""
+        """SIGTERM every child still running, wait, then SIGKILL what is left; then remove the
+        shared-memory segments a killed shard could not."""
         alive = [c for c in self.children if c.proc.poll() is None]
         for c in alive:
             c.proc.send_signal(signal.SIGTERM)
@@ -120,6 +122,7 @@ class Job:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+        remove_segments(run_prefix(self.run_dir))
 
 
 def launch(config: LaunchConfig, quiet: bool = False) -> int:
@@ -255,10 +258,9 @@ def _worker_processes(job: Job) -> list[tuple[int, str, int]]:
 def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Child]:
     cfg = job.config
     processes = _worker_processes(job)
-    # A process's waves run concurrently: size its thread pool for all of them.
-    threads = cfg.threads or _threads_per_process(
-        cfg.devices, cfg.processes_per_device * cfg.job.waves
-    )
+    # Each worker process gets its share of the cores and chooses its thread layout within it
+    # by a short probe (worker/threads.py), unless --threads fixes it.
+    budget = _threads_per_process(cfg.devices, cfg.processes_per_device)
     workers = []
     for rank, device, index in processes:
         args = [
@@ -274,11 +276,15 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
             "--num-workers",
             str(len(processes)),
             "--threads",
-            str(threads),
+            str(cfg.threads),
+            "--core-budget",
+            str(budget),
             "--run-dir",
             str(job.run_dir),
             "--schedule",
             cfg.schedule,
+            "--transport",
+            cfg.transport,
         ]
         for a in addresses:
             args += ["--shard", a]

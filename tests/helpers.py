@@ -20,10 +20,21 @@ def tiny_model(seed: int = 0, hidden: int = 16) -> torch.nn.Module:
     return build_model("mlp", (4,), 3, seed, hidden=hidden)
 
 
-def client_for(model, addresses, worker="w0", wave=0, stop=None, timeout_s=TIMEOUT_S):
+def client_for(
+    model, addresses, worker="w0", wave=0, stop=None, timeout_s=TIMEOUT_S, transport="auto"
+):
     plan = ShardingPlan.for_model(model, len(addresses), 4 << 20)
     tensors = {n: t for n, t, _ in model_tensors(model)}
-    return PSClient(addresses, plan, tensors, worker, wave, timeout_s, stop or threading.Event())
+    return PSClient(
+        addresses,
+        plan,
+        tensors,
+        worker,
+        wave,
+        timeout_s,
+        stop or threading.Event(),
+        transport=transport,
+    )
 
 
 def shard_values(addresses, seed=0) -> list[torch.Tensor]:

@@ -1,4 +1,6 @@
-"""With staleness bound 0, W waves through the PS equal one process on the concatenated batches."""
+"""With staleness bound 0, W waves through the PS equal one process on the concatenated batches,
+with the waves' tensors moving over both transports in one job (even waves through shared
+memory, odd ones over TCP)."""
 
 import threading
 
@@ -19,9 +21,11 @@ def _batch(wave: int, step: int):
 def _train_wave(addresses, wave: int, errors: list):
     try:
         model = tiny_model()
-        c = client_for(model, addresses, worker=f"w{wave}", wave=0)
+        transport = "tcp" if wave % 2 else "shm"
+        c = client_for(model, addresses, worker=f"w{wave}", wave=0, transport=transport)
         try:
             c.register(0)
+            assert c.transports == [transport] * len(addresses)
             pulled = c.pull(0)
             for step in range(STEPS):
                 x, y = _batch(wave, step)

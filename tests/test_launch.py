@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import kill_tree, run_wavelet, started, wavelet_cmd
 
+from wavelet.common import shm
 from wavelet.common.records import last_record, read_records
 from wavelet.ps.checkpoints import read_checkpoint
 from wavelet.scripts.launch import Progress
@@ -38,6 +39,8 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 def _assert_nothing_left(run_dir: Path):
     _wait_for(lambda: not _processes_mentioning(str(run_dir)), 15, "daemons left behind")
+    left = list(shm.SHM_DIR.glob(shm.run_prefix(run_dir) + "*"))
+    assert not left, f"shared-memory segments left behind: {left}"
 
 
 @pytest.mark.slow
@@ -53,6 +56,7 @@ def test_default_job_reaches_the_accuracy_bar(tmp_path):
     assert set(summary["waves"]) == {"w0/0", "w0/1"}
     for w in summary["waves"].values():
         assert w["pushes"] > 0 and "staleness_mean" in w
+        assert w["transport"] == "shm"  # shards and worker share this host
     assert (run_dir / "records" / "ps-0-pushes.jsonl").exists()
     assert (run_dir / "staleness.png").read_bytes()[:4] == b"\x89PNG"
     _assert_nothing_left(run_dir)
@@ -196,6 +200,7 @@ def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["lost_updates"] == logged - kept
     assert f"lost {logged - kept} update(s)" in done.stdout
+    _assert_nothing_left(run_dir)
 
 
 def test_progress_shows_a_dash_until_there_is_a_number(tmp_path):

@@ -22,6 +22,7 @@ from wavelet.common.protocol import (
     ErrorCode,
     Header,
     Op,
+    ShardError,
     ShardTimeout,
     decode,
     raise_for_error,
@@ -30,6 +31,9 @@ from wavelet.common.protocol import (
 )
 from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import Chunk, ShardingPlan, chunk_view
+from wavelet.common.shm import Segment
+
+TRANSPORTS = ("auto", "shm", "tcp")  # auto: shared memory where a shard offers it, else TCP
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +64,10 @@ class PSClient:
         stop: threading.Event | None = None,
         context: zmq.Context | None = None,
         keys: ClientKeys | None = None,
+        transport: str = "auto",
     ):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if len(addresses) != plan.num_shards:
             raise ValueError(f"{len(addresses)} addresses for a plan of {plan.num_shards} shards")
         self.addresses = addresses
@@ -105,6 +112,8 @@ class PSClient:
         self._restarted = [False] * len(self.sockets)
         self.last_versions = [0] * len(self.sockets)  # newest version seen from each shard
         self.lost_updates = 0
+        self.transport = transport
+        self.shm: list[ShmLink | None] = [None] * len(self.sockets)  # per shard, once attached
 
     # --- operations ---------------------------------------------------------------------------
 
@@ -127,7 +136,14 @@ class PSClient:
             ]
             clocks = [r.clock for r in replies]
         self.init()
+        for i in range(len(self.sockets)):
+            self._attach(i)
         return clocks
+
+    @property
+    def transports(self) -> list[str]:
+        """How tensors travel to and from each shard: shm or tcp."""
+        return ["shm" if link else "tcp" for link in self.shm]
 
     def init(self) -> None:
         messages = []
@@ -144,8 +160,15 @@ class PSClient:
     def pull(self, clock: int, observer: bool = False) -> PullResult:
         """Read every shard's weights into our tensors (may wait for the staleness bound)."""
         messages = [
-            (self._header(Op.PULL, clock=clock, body={"observer": True} if observer else {}), [])
-            for _ in self.sockets
+            (
+                self._header(
+                    Op.PULL,
+                    clock=clock,
+                    body={"observer": True} if observer else {"shm": link is not None},
+                ),
+                [],
+            )
+            for link in self.shm
         ]
         recover = None if observer else (lambda i: self._recover(i, clock))
         return self._load(self._exchange(messages, recover))
@@ -156,21 +179,30 @@ class PSClient:
         ``lr_scale`` multiplies the learning rate of this update (the job's schedule)."""
         messages = []
         for shard, chunks in enumerate(self.chunks):
+            link = self.shm[shard]
             h = self._header(
                 Op.PUSH_PULL,
                 clock=clock,
                 read_version=read_versions[shard],
                 keys=[c.key for c in chunks],
-                body={"lr_scale": lr_scale},
+                body={"lr_scale": lr_scale, "shm": link is not None},
             )
-            messages.append((h, [self._push_tensor(c) for c in chunks]))
+            if link is None:
+                messages.append((h, [self._push_tensor(c) for c in chunks]))
+                continue
+            for c, view in zip(chunks, link.push_views, strict=True):
+                self._gradient_into(c, view)  # straight into the shard's segment
+            messages.append((h, []))
         self._copies_done()
         return self._load(self._exchange(messages, lambda i: self._recover(i, clock + 1)))
 
     @property
     def round_trip_bytes(self) -> int:
-        """Tensor bytes one push_pull puts on the wire: every chunk up, every chunk back."""
-        return 2 * sum(c.nbytes for c in self.plan.chunks)
+        """Tensor bytes one push_pull puts on the wire (TCP): every chunk up and back, except
+        those of shards reached through shared memory."""
+        return 2 * sum(
+            c.nbytes for i, chunks in enumerate(self.chunks) if self.shm[i] is None for c in chunks
+        )
 
     def leave(self) -> None:
         self._all(Op.LEAVE)
@@ -179,12 +211,61 @@ class PSClient:
         return [h.body for h, _ in self._all(Op.STATS)]
 
     def close(self) -> None:
+        for i, link in enumerate(self.shm):
+            if link is not None:
+                link.close()
+                self.shm[i] = None
         for s, m in zip(self.sockets, self.monitors, strict=True):
             s.disable_monitor()
             m.close(linger=0)
             s.close(linger=0)
 
+    # --- shared memory ------------------------------------------------------------------------
+
+    def _attach(self, i: int) -> None:
+        """Ask shard ``i`` for shared-memory segments and use them if we can open them (same
+        host, same user); otherwise tell it so and stay on TCP (--transport shm: fail)."""
+        if self.transport == "tcp":
+            return
+        if self.shm[i] is not None:
+            self.shm[i].close()
+            self.shm[i] = None
+        offer = reply_body(Op.ATTACH, self._request_one(i, self._header(Op.ATTACH)))
+        if offer.transport == "shm":
+            try:
+                self.shm[i] = ShmLink.open(offer, self.chunks[i])
+                return
+            except OSError as e:
+                reason = f"cannot open its shared-memory segments ({e})"
+            self._request_one(i, self._header(Op.ATTACH, body={"transport": "tcp"}))
+        else:
+            reason = "it offers no shared memory (started with --no-shm)"
+        if self.transport == "shm":
+            raise ShardError(
+                f"--transport shm, but shard {self.addresses[i]}: {reason}; use --transport auto "
+                "to fall back to TCP"
+            )
+        log.info(
+            "wave %s/%d talks to shard %s over TCP: %s",
+            self.worker,
+            self.wave,
+            self.addresses[i],
+            reason,
+        )
+
     # --- moving tensors -----------------------------------------------------------------------
+
+    def _gradient_into(self, chunk: Chunk, out: torch.Tensor) -> None:
+        t = self.tensors[chunk.name]
+        if chunk.trainable:
+            if t.grad is None:  # a parameter this batch did not touch
+                out.zero_()
+                return
+            t = t.grad
+        view = chunk_view(t.detach(), chunk)
+        out.copy_(view, non_blocking=view.device.type != "cpu")  # pinned segment: async D2H
+        if view.device.type != "cpu":
+            self._pending_device = view.device
 
     def _push_tensor(self, chunk: Chunk) -> torch.Tensor:
         t = self.tensors[chunk.name]
@@ -214,11 +295,24 @@ class PSClient:
             self._pending_device = None
 
     def _load(self, replies: list[tuple[Header, list[torch.Tensor]]]) -> PullResult:
-        with torch.no_grad():
-            for chunks, (_, tensors) in zip(self.chunks, replies, strict=True):
-                for c, value in zip(chunks, tensors, strict=True):
-                    chunk_view(self.tensors[c.name].data, c).copy_(value)
         bodies = [reply_body(Op.PULL, h) for h, _ in replies]
+        with torch.no_grad():
+            for i, (chunks, (_, tensors)) in enumerate(zip(self.chunks, replies, strict=True)):
+                if bodies[i].shm:
+                    link = self.shm[i]
+                    if link is None:
+                        raise ShardError(
+                            f"shard {self.addresses[i]} answered through a shared-memory "
+                            "segment this wave has not attached"
+                        )
+                    tensors = link.pull_views  # the weights this shard wrote for us alone
+                for c, value in zip(chunks, tensors, strict=True):
+                    target = chunk_view(self.tensors[c.name].data, c)
+                    if target.device.type == "cpu":
+                        target.copy_(value)
+                    else:  # from a pinned segment: asynchronous; done before our next send
+                        target.copy_(value, non_blocking=True)
+                        self._pending_device = target.device
         versions = [b.version for b in bodies]
         self.last_versions = [max(a, b) for a, b in zip(self.last_versions, versions, strict=True)]
         return PullResult(
@@ -362,6 +456,7 @@ class PSClient:
             tensors = [self._host(self.tensors[c.name], c) for c in chunks]
             self._copies_done()
             self._request_one(i, init, tensors)
+        self._attach(i)  # a restarted shard made new segments (or none)
         return self._request_one_reply(i, self._header(Op.PULL, clock=clock))
 
     def _request_one(self, i: int, header: Header, tensors=()) -> Header:
@@ -386,6 +481,46 @@ class PSClient:
             f"{self.timeout_s:.0f}s after reconnecting",
             [self.addresses[i]],
         )
+
+
+class ShmLink:
+    """A wave's side of its two segments on one shard: views of its chunks in each."""
+
+    def __init__(self, push: Segment, pull: Segment, chunks: list[Chunk], offsets: list[int]):
+        if len(offsets) != len(chunks):
+            raise OSError(f"the shard laid out {len(offsets)} chunks, the plan has {len(chunks)}")
+        for o, c in zip(offsets, chunks, strict=True):
+            if o < 0 or o + c.nbytes > push.size:
+                raise OSError(
+                    f"chunk {c.key} at byte {o} does not fit the {push.size}-byte segment"
+                )
+        self.push, self.pull = push, pull
+        self.push_views = [self._view(push, o, c) for o, c in zip(offsets, chunks, strict=True)]
+        self.pull_views = [self._view(pull, o, c) for o, c in zip(offsets, chunks, strict=True)]
+
+    @staticmethod
+    def _view(segment: Segment, offset: int, chunk: Chunk) -> torch.Tensor:
+        return segment.tensor(offset, chunk.numel, chunk.desc.torch_dtype)
+
+    @classmethod
+    def open(cls, offer, chunks: list[Chunk]) -> ShmLink:
+        push = Segment.open(offer.push_segment, offer.size, offer.nonce)
+        try:
+            pull = Segment.open(offer.pull_segment, offer.size, offer.nonce)
+        except BaseException:
+            push.close()
+            raise
+        link = cls(push, pull, chunks, offer.offsets)
+        if torch.cuda.is_available():
+            push.pin()
+            pull.pin()
+        return link
+
+    def close(self) -> None:
+        self.push_views.clear()
+        self.pull_views.clear()
+        self.push.close()
+        self.pull.close()
 
 
 def connect_dealer(

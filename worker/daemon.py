@@ -8,19 +8,24 @@ cores. See docs/design.md for the measurements behind this.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import sys
 import threading
+from pathlib import Path
 
 import torch
 import zmq
 
 from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import build_dataset
+from wavelet.common.models import build_model
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import client_keys
 from wavelet.worker.heartbeat import Heartbeat
+from wavelet.worker.threads import ThreadChoice, choose_threads
 from wavelet.worker.wave import Wave, WaveIdentity
 
 log = logging.getLogger(__name__)
@@ -37,9 +42,9 @@ class WorkerDaemon:
     def run(self) -> int:
         """Train all waves to the end; 0 on success, 1 if any wave failed."""
         cfg, job = self.config, self.config.job
-        threads = cfg.threads or max(1, (os.cpu_count() or 1))
-        torch.set_num_threads(threads)
         dataset = build_dataset(job.dataset, job.seed, **job.dataset_kwargs)
+        choice = self._threads(dataset)
+        torch.set_num_threads(choice.threads)
         if cfg.schedule == "ticktock":
             baton = ForwardBaton(job.waves, job.baton_timeout_s)
         else:
@@ -60,12 +65,9 @@ class WorkerDaemon:
             for i in range(job.waves)
         ]
         log.info(
-            "worker %d on %s: %d wave(s), %d torch thread(s)",
-            cfg.rank,
-            cfg.device,
-            job.waves,
-            threads,
+            "worker %d on %s: %d wave(s), %s", cfg.rank, cfg.device, job.waves, choice.describe()
         )
+        record_threads(cfg, choice)
         runners = [
             threading.Thread(target=w.run, name=f"wave-{i}", daemon=True)
             for i, w in enumerate(waves)
@@ -95,6 +97,27 @@ class WorkerDaemon:
             if not any(r.is_alive() for r in runners):
                 context.term()
         return report_failures(waves)
+
+    def _threads(self, dataset) -> ThreadChoice:
+        cfg, job = self.config, self.config.job
+        if cfg.threads:
+            return ThreadChoice(cfg.threads, "fixed")
+        budget = cfg.core_budget or os.cpu_count() or 1
+        if cfg.device != "cpu" and not cfg.device.startswith("cpu"):
+            return ThreadChoice(max(1, budget // job.waves), "narrow")  # a GPU computes
+        model = build_model(
+            job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
+        )
+        part = dataset.part(0, 1, job.seed)
+        x, y = next(iter(part.batches(min(job.batch_size, len(part.x)), 0, job.seed)))
+        return choose_threads(model, x, y, budget, job.waves)
+
+
+def record_threads(cfg: WorkerConfig, choice: ThreadChoice) -> None:
+    """The layout goes into the run's records, beside the waves' (compare reports it)."""
+    path = Path(cfg.run_dir) / "records" / f"worker-{cfg.rank}-threads.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(choice)))
 
 
 def report_failures(waves: list[Wave]) -> int:

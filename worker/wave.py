@@ -116,6 +116,7 @@ class Wave:
             self.stop,
             self.context,
             self.keys,
+            self.config.transport,
         )
         try:
             self._run_epochs(model, meter, client, part, steps)
@@ -235,6 +236,7 @@ class Wave:
             backward_s=t2 - t1,
             push_pull_s=t3 - t2,
             wire_bytes=client.round_trip_bytes,
+            transport=client.transports,
             lr_scale=lr_scale,
             bound_wait_s=next_pull.parked_s,
             dropped=next_pull.dropped,

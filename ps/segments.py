@@ -1,0 +1,82 @@
+"""The shared-memory segments a shard keeps for the waves on its host (see common/shm.py).
+
+Each attached wave has two segments sized by this shard's chunks: the wave writes its gradients
+into its push segment, and the shard writes the weights it serves that wave into its pull segment.
+One of each per wave, and a wave has at most one request in flight, so neither side ever reads a
+segment the other is writing: a pulled weight set is exactly one version. Offsets come from the
+shard's own chunk list, never from a client, so no request makes the shard read or write outside
+them. Memory: 2 x (attached waves) x (this shard's parameter bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from wavelet.common.shm import Segment, layout, remove_segments
+from wavelet.ps.shard import ChunkSpec
+from wavelet.ps.staleness import WaveId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WaveSegments:
+    push: Segment
+    pull: Segment
+    offsets: list[int]
+    push_views: list[torch.Tensor]  # one per chunk, in plan order
+    pull_views: list[torch.Tensor]
+
+    def close(self) -> None:
+        self.push_views.clear()
+        self.pull_views.clear()
+        self.push.close()
+        self.pull.close()
+
+
+class SegmentStore:
+    """Segments by wave, all named under ``prefix`` (one prefix per run and shard)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        stale = remove_segments(prefix)  # what a killed predecessor of this shard left
+        if stale:
+            log.warning("removed %d shared-memory segment(s) a stopped shard left", len(stale))
+        self.waves: dict[WaveId, WaveSegments] = {}
+
+    def attach(self, wave: WaveId, specs: list[ChunkSpec]) -> WaveSegments:
+        self.detach(wave)  # a wave that attaches again (a restart, a rejoin) gets new ones
+        offsets, size = layout([s.desc.nbytes for s in specs])
+        push = Segment.create(self.prefix, size)
+        try:
+            pull = Segment.create(self.prefix, size)
+        except BaseException:
+            push.close()
+            raise
+        pull._map[: len(push.nonce)] = push.nonce.encode()  # one nonce for the pair
+        pull.nonce = push.nonce
+
+        def views(segment: Segment) -> list[torch.Tensor]:
+            return [
+                segment.tensor(o, s.desc.numel, s.desc.torch_dtype)
+                for o, s in zip(offsets, specs, strict=True)
+            ]
+
+        segments = WaveSegments(push, pull, offsets, views(push), views(pull))
+        self.waves[wave] = segments
+        return segments
+
+    def get(self, wave: WaveId) -> WaveSegments | None:
+        return self.waves.get(wave)
+
+    def detach(self, wave: WaveId) -> None:
+        segments = self.waves.pop(wave, None)
+        if segments is not None:
+            segments.close()
+
+    def close(self) -> None:
+        for wave in list(self.waves):
+            self.detach(wave)

@@ -1,0 +1,212 @@
+"""The shared-memory data path: same results as TCP, never a torn read, bad pushes refused from
+the segment, private segments that are always cleaned up, and TCP where segments cannot open."""
+
+import signal
+import stat
+import threading
+
+import pytest
+import torch
+from conftest import started, wavelet_cmd
+from helpers import RawClient, client_for, shard_values, tiny_model
+
+from wavelet.common import shm
+from wavelet.common.protocol import Header, Op, RemoteError, ShardError
+
+JOB = ["--model", "mlp", "--dataset", "synthetic", "--staleness", "inf"]
+
+
+def _segments(prefix: str = "wavelet-") -> list[str]:
+    return sorted(p.name for p in shm.SHM_DIR.glob(prefix + "*"))
+
+
+def _prefix(daemons) -> str:
+    return shm.run_prefix(daemons.tmp)
+
+
+def _step(model, client, pulled, clock, value):
+    for p in model.parameters():
+        p.grad = torch.full_like(p, value)
+    return client.push_pull(clock, pulled.versions)
+
+
+@pytest.mark.timeout(90)
+def test_concurrent_waves_never_read_torn_weights(shard_daemons):
+    """Two waves push as fast as they can while a third only reads: whoever read version v
+    got the same weights, whole."""
+    daemons = shard_daemons(JOB, count=1)
+    seen: list[dict] = [{}, {}, {}]
+    errors = []
+    writing = threading.Event()
+
+    def wave(i):
+        try:
+            model = tiny_model(hidden=512)
+            c = client_for(model, daemons.addresses, worker=f"w{i}", transport="shm")
+            try:
+                c.register(0)
+                pulled = c.pull(0)
+                for clock in range(60):
+                    if i == 2:  # the reader: reads at its clock 0 (s = inf lets it)
+                        if clock and not writing.is_set():
+                            break
+                        pulled = c.pull(0)
+                    else:
+                        pulled = _step(model, c, pulled, clock, 0.001 * (i + 1))
+                    seen[i][pulled.versions[0]] = [p.detach().clone() for p in model.parameters()]
+            finally:
+                c.close()
+        except BaseException as e:
+            errors.append(e)
+
+    writing.set()
+    threads = [threading.Thread(target=wave, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads[:2]:
+        t.join(60)
+        assert not t.is_alive()
+    writing.clear()
+    threads[2].join(60)
+    assert not threads[2].is_alive()
+    assert not errors, errors
+    compared = 0
+    for v, weights in seen[2].items():
+        for writer in seen[:2]:
+            if v in writer:
+                compared += 1
+                for a, b in zip(weights, writer[v], strict=True):
+                    assert torch.equal(a, b), f"two reads of version {v} differ"
+    assert compared >= 5, "the reader and the writers shared too few versions to compare"
+
+
+def test_a_bad_push_through_the_segment_changes_nothing(shard_daemons):
+    daemons = shard_daemons(JOB, count=1)
+    model = tiny_model()
+    c = client_for(model, daemons.addresses, transport="shm")
+    try:
+        c.register(0)
+        pulled = c.pull(0)
+        before = shard_values(daemons.addresses)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        link = c.shm[0]
+        keys = [ch.key for ch in c.chunks[0]]
+        for bad in (float("nan"), float("inf")):
+            for view in link.push_views:
+                view.zero_()
+            link.push_views[-1][0] = bad
+            h = c._header(Op.PUSH, clock=0, read_version=0, keys=keys, body={"shm": True})
+            with pytest.raises(RemoteError, match="NaN or Inf"):
+                c._request_one(0, h)
+        # frames and a segment at once, a wave without segments: refused too
+        h = c._header(Op.PUSH, clock=0, read_version=0, keys=keys, body={"shm": True})
+        with pytest.raises(RemoteError, match="no tensor frames"):
+            c._request_one(0, h, [torch.zeros(ch.numel) for ch in c.chunks[0]])
+        stranger = RawClient(daemons.addresses[0])
+        try:
+            reply = stranger.request(
+                Header(op=Op.REGISTER, worker="x", wave=0, plan=c.plan.fingerprint, clock=0)
+            )
+            assert reply.op == "reply"
+            push = Header(
+                op=Op.PUSH,
+                worker="x",
+                wave=0,
+                clock=0,
+                read_version=0,
+                plan=c.plan.fingerprint,
+                keys=keys,
+                body={"shm": True},
+            )
+            reply = stranger.request(push)
+            assert reply.op == "error" and reply.body["code"] == "not_attached"
+        finally:
+            stranger.close()
+        after = shard_values(daemons.addresses)
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        pulled = _step(model, c, pulled, 0, 0.5)  # and a good one goes through
+        assert pulled.versions == [1]
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(60)
+def test_segments_are_private_and_removed_on_stop_and_after_a_kill(shard_daemons, tmp_path):
+    daemons = shard_daemons(JOB, count=1)
+    prefix = _prefix(daemons)
+    model = tiny_model()
+    c = client_for(model, daemons.addresses, transport="shm")
+    try:
+        c.register(0)
+        names = _segments(prefix)
+        assert len(names) == 2  # one push and one pull segment for the wave
+        for name in names:
+            mode = (shm.SHM_DIR / name).stat().st_mode
+            assert stat.S_IMODE(mode) == 0o600
+            assert len(name) >= len(prefix) + 20  # an unguessable part
+        c.leave()  # a wave that is done frees its segments
+        assert _segments(prefix) == []
+        c.register(0)
+        assert len(_segments(prefix)) == 2
+    finally:
+        c.close()
+    # kill -9: the segments stay behind...
+    daemons.procs[0].send_signal(signal.SIGKILL)
+    daemons.procs[0].wait(10)
+    assert len(_segments(prefix)) == 2
+    # ...until a shard of the same run dir starts, and that one removes its own on SIGTERM
+    restart = wavelet_cmd(
+        "ps", *JOB, "--shards", "1", "--bind", daemons.addresses[0], "--run-dir", str(daemons.tmp)
+    )
+    with started(restart, tmp_path / "restarted.log") as proc:
+        c = client_for(model, daemons.addresses, transport="shm")
+        try:
+            c.register(0)
+            assert len(_segments(prefix)) == 2  # the new wave's, the stale ones gone
+        finally:
+            c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    assert _segments(prefix) == []
+
+
+def test_a_client_that_cannot_open_the_segments_stays_on_tcp(shard_daemons, tmp_path, monkeypatch):
+    daemons = shard_daemons(JOB, count=1)
+    prefix = _prefix(daemons)
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path / "elsewhere")  # as if on another host
+    model = tiny_model()
+    c = client_for(model, daemons.addresses, transport="auto")
+    try:
+        c.register(0)
+        assert c.transports == ["tcp"]
+        pulled = c.pull(0)
+        pulled = _step(model, c, pulled, 0, 0.1)
+        assert pulled.versions == [1]
+        stats = RawClient(daemons.addresses[0])
+        try:
+            waves = stats.request(Header(op=Op.STATS)).body["waves"]
+            assert waves["w0/0"]["transport"] == "tcp"
+        finally:
+            stats.close()
+        monkeypatch.undo()
+        assert _segments(prefix) == []  # the shard dropped the segments it had offered
+    finally:
+        c.close()
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path / "elsewhere")
+    strict = client_for(tiny_model(), daemons.addresses, worker="strict", transport="shm")
+    try:
+        with pytest.raises(ShardError, match="--transport shm"):
+            strict.register(0)
+    finally:
+        strict.close()
+
+
+def test_a_shard_without_shared_memory_serves_tcp(shard_daemons):
+    daemons = shard_daemons([*JOB, "--no-shm"], count=1)
+    c = client_for(tiny_model(), daemons.addresses, transport="auto")
+    try:
+        c.register(0)
+        assert c.transports == ["tcp"]
+    finally:
+        c.close()
