@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU check: one command on a machine with one NVIDIA GPU, from a copy of this repository,
+# in at most 8 minutes, everything into one folder ($OUT where set, else runs/gpu-check):
+# report.md, the compare report and plots, raw records, versions and the full log (log.txt).
+#
+#   bash benchmarks/gpu_check.sh            # on the GPU machine
+#   bash benchmarks/gpu_check.sh --dry-run  # the same steps on the CPU with a tiny job (< 2 min)
+#
+# The GPU machine has no network: what its Python lacks (pyzmq, pytest) is installed from wheels
+# in ./wheels, made beforehand on a machine with network by benchmarks/gpu_wheels.sh. Wavelet
+# itself needs no install: a folder of links puts this checkout on PYTHONPATH as `wavelet`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+OUT=${OUT:-runs/gpu-check}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+exec > >(tee "$OUT/log.txt") 2>&1
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "1. what this machine lacks, from ./wheels (no network)"
+for module in zmq pytest pytest_timeout; do
+    if ! "$PY" -c "import $module" 2>/dev/null; then
+        package=${module//_/-}; [ "$module" = zmq ] && package=pyzmq
+        "$PY" -m pip install --no-index --find-links wheels -q "$package" \
+            || echo "could not install $package from ./wheels (run benchmarks/gpu_wheels.sh)"
+    fi
+done
+if ! "$PY" -c "import wavelet.scripts.cli" 2>/dev/null; then
+    SHIM=$(mktemp -d)
+    mkdir "$SHIM/wavelet" && touch "$SHIM/wavelet/__init__.py"
+    for d in common ps worker scripts; do ln -s "$PWD/$d" "$SHIM/wavelet/$d"; done
+    export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+fi
+WAVELET=("$PY" -m wavelet.scripts.cli --log-level WARNING)
+
+step "2. versions"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
+    --format=csv | tee "$OUT/gpu.csv"
+"$PY" - <<'EOF' | tee "$OUT/versions.txt"
+import platform, torch, zmq, msgpack
+print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA build "
+      f"{torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, pyzmq {zmq.__version__}, "
+      f"libzmq {zmq.zmq_version()}, msgpack {msgpack.version}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device 0: {p.name}, {p.total_memory / 2**30:.0f} GiB, capability {p.major}.{p.minor}")
+else:
+    print("no CUDA device")
+EOF
+
+if [ $DRY = 1 ]; then
+    DEVICE=cpu
+    JOB=(--epochs 2)
+    COMPARE=(--config configs/digits.toml --epochs 0 --max-seconds 6 --target-acc 0.9)
+    MODES=ticktock,single,together,allreduce
+    CAP=()
+else
+    DEVICE=cuda:0
+    JOB=()
+    # A job whose activations fill the card: ResNet-18 (CIFAR-style, no early downsampling) on
+    # 128x128 images, at a batch the probe below sizes so that one wave fills 55% of the cap:
+    # tick-tock (about 1.2x one wave) fits, two waves started together (2x) do not.
+    CAP_GIB=${WAVELET_GPU_CAP_GIB:-16}
+    BATCH=$("$PY" benchmarks/gpu_check.py batch --cap-gib "$CAP_GIB" --fill 0.55)
+    echo "batch per wave: $BATCH (cap $CAP_GIB GiB per device)"
+    COMPARE=(--model resnet18 --dataset synthetic --set "dataset_kwargs.shape=[3,128,128]"
+             --set dataset_kwargs.train_size=4096 --set dataset_kwargs.test_size=512
+             --batch-size "$BATCH" --epochs 0 --max-seconds 40 --target-acc 0.3)
+    MODES=ticktock,single,together,allreduce,allreduce2
+    CAP=(--cuda-memory-gib "$CAP_GIB")
+fi
+
+step "3. GPU tests, and the default job on $DEVICE"
+"$PY" -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -5
+"${WAVELET[@]}" launch --devices "$DEVICE" "${JOB[@]}" --run-dir "$OUT/default-job" \
+    | tail -8
+
+step "4. wavelet compare on $DEVICE: $MODES"
+"${WAVELET[@]}" compare --devices "$DEVICE" "${COMPARE[@]}" "${CAP[@]}" --modes "$MODES" \
+    --out "$OUT/compare" | tail -12
+
+step "5. report"
+"$PY" benchmarks/gpu_check.py report "$OUT" --device "$DEVICE" && cat "$OUT/report.md"
+echo "everything is in $OUT"
