@@ -358,6 +358,11 @@ class WorkerConfig:
     resume: bool = setting(
         False, help="go on from the clocks the shards restored from their checkpoints"
     )
+    cuda_memory_gib: float = setting(
+        0.0,
+        help="cap this process's CUDA caching allocator at this many GiB, so a large card "
+        "behaves like a smaller one (0: no cap)",
+    )
     curve_secret: str = setting("", help="CURVE: this worker's .key_secret file")
     curve_server_key: str = setting("", help="CURVE: the shards' public .key file")
 
@@ -376,6 +381,7 @@ class WorkerConfig:
             raise ConfigError(f"rank {self.rank} is out of range for {self.num_workers} workers")
         _non_negative("threads", self.threads)
         _non_negative("core_budget", self.core_budget)
+        _non_negative("cuda_memory_gib", self.cuda_memory_gib)
         if self.device_index < 0:
             self.device_index = self.rank
         if bool(self.curve_secret) != bool(self.curve_server_key):
@@ -437,9 +443,15 @@ class LaunchConfig:
         "or auto (shm where a shard offers it and its segments open, else tcp)",
         choices=TRANSPORTS,
     )
+    cuda_memory_gib: float = setting(
+        0.0,
+        help="cap each device's CUDA memory at this many GiB, split among its processes, so a "
+        "large card behaves like a smaller one (0: no cap)",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
+        _non_negative("cuda_memory_gib", self.cuda_memory_gib)
         if not self.devices:
             raise ConfigError("devices is empty: name at least one device, e.g. cpu or cuda:0")
         for d in self.devices:

@@ -253,7 +253,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
-        results = compare(job_from_args(args), args.devices, modes, out, args.target_acc)
+        results = compare(
+            job_from_args(args),
+            args.devices,
+            modes,
+            out,
+            args.target_acc,
+            {"cuda_memory_gib": args.cuda_memory_gib},
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     print(format_table(results, args.target_acc))
@@ -357,7 +364,11 @@ def _add_sweep_flags(p: argparse.ArgumentParser, name: str) -> None:
     add_config_flags(
         p,
         LaunchConfig,
-        skip=tuple(f.name for f in dataclasses.fields(LaunchConfig) if f.name != "devices"),
+        skip=tuple(
+            f.name
+            for f in dataclasses.fields(LaunchConfig)
+            if f.name not in ("devices", "cuda_memory_gib")
+        ),
     )
     p.add_argument("--out", help=f"report directory (default runs/{name}-<time>)")
     p.add_argument(

@@ -74,8 +74,15 @@ class ModeResult:
 
 
 def compare(
-    job: JobConfig, devices: list[str], modes: list[str], out: Path, target: float
+    job: JobConfig,
+    devices: list[str],
+    modes: list[str],
+    out: Path,
+    target: float,
+    settings: dict | None = None,
 ) -> list[ModeResult]:
+    """Run ``job`` in each mode; ``settings`` are launch settings every mode shares (e.g. a
+    CUDA memory cap)."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
@@ -90,7 +97,7 @@ def compare(
                 job=dataclasses.replace(job, **job_kw),
                 devices=devices,
                 run_dir=str(run_dir),
-                **launch_kw,
+                **{**(settings or {}), **launch_kw},
             )
             code = launch(config, quiet=True)
             if code != 0:

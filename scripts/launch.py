@@ -285,6 +285,8 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
             cfg.schedule,
             "--transport",
             cfg.transport,
+            "--cuda-memory-gib",
+            str(cfg.cuda_memory_gib / cfg.processes_per_device),
         ]
         for a in addresses:
             args += ["--shard", a]
@@ -328,6 +330,8 @@ def _start_ranks(job: Job, job_file: Path) -> list[Child]:
             str(threads),
             "--run-dir",
             str(job.run_dir),
+            "--cuda-memory-gib",
+            str(job.config.cuda_memory_gib / job.config.processes_per_device),
         ]
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}  # all on this host
         ranks.append(job.spawn(f"worker-{rank}", args, rank_env))

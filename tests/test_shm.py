@@ -210,3 +210,25 @@ def test_a_shard_without_shared_memory_serves_tcp(shard_daemons):
         assert c.transports == ["tcp"]
     finally:
         c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_wave_moves_tensors_through_pinned_segments(shard_daemons):
+    daemons = shard_daemons(JOB, count=2)
+    model = tiny_model().cuda()
+    c = client_for(model, daemons.addresses, transport="shm")
+    try:
+        c.register(0)
+        assert c.transports == ["shm", "shm"]
+        pulled = c.pull(0)
+        for clock in range(3):
+            pulled = _step(model, c, pulled, clock, 0.01)
+        torch.cuda.synchronize()
+        on_shards = shard_values(daemons.addresses)  # read over TCP into a CPU model
+        on_gpu = [t.detach().cpu() for t in model.state_dict().values()]
+        assert pulled.versions == [3, 3]
+        for a, b in zip(on_gpu, on_shards, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        c.close()

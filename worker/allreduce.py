@@ -24,7 +24,7 @@ from wavelet.common.job import build_dataset_and_model
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.worker.evaluate import evaluate
-from wavelet.worker.memory import SavedActivationMeter, device_memory
+from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class AllReduceWorker:
         device = torch.device(cfg.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            cap_cuda_memory(device, cfg.cuda_memory_gib)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method="env://")
         try:

@@ -25,6 +25,7 @@ from wavelet.common.models import build_model
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import client_keys
 from wavelet.worker.heartbeat import Heartbeat
+from wavelet.worker.memory import cap_cuda_memory
 from wavelet.worker.threads import ThreadChoice, choose_threads
 from wavelet.worker.wave import Wave, WaveIdentity
 
@@ -45,6 +46,7 @@ class WorkerDaemon:
         dataset = build_dataset(job.dataset, job.seed, **job.dataset_kwargs)
         choice = self._threads(dataset)
         torch.set_num_threads(choice.threads)
+        cap_cuda_memory(torch.device(cfg.device), cfg.cuda_memory_gib)
         if cfg.schedule == "ticktock":
             baton = ForwardBaton(job.waves, job.baton_timeout_s)
         else:

@@ -133,8 +133,19 @@ class SavedActivationMeter:
             callback()  # under the meter's lock: the callback must not use the meter
 
 
+def cap_cuda_memory(device: torch.device, gib: float) -> None:
+    """Cap this process's CUDA caching allocator at ``gib`` GiB (0: no cap), so that a large card
+    behaves like a smaller one: allocations beyond it raise out-of-memory as on that card."""
+    if gib <= 0 or device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * (1 << 30) / total), index)
+
+
 def device_memory(device: torch.device) -> dict[str, int]:
-    """On a GPU: what the caching allocator holds and what NVML says the device uses."""
+    """On a GPU: what the caching allocator holds, what NVML says the device uses, and its
+    utilisation (percent of the last sample period a kernel ran)."""
     if device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -143,16 +154,16 @@ def device_memory(device: torch.device) -> dict[str, int]:
         "cuda_peak_allocated": torch.cuda.max_memory_allocated(index),
         "cuda_reserved": torch.cuda.memory_reserved(index),
     }
-    used = _nvml_used(index)
-    if used is not None:
-        out["nvml_used"] = used
+    nvml = _nvml(index)
+    if nvml is not None:
+        out.update(nvml)
     return out
 
 
 _nvml_ready: bool | None = None
 
 
-def _nvml_used(index: int) -> int | None:
+def _nvml(index: int) -> dict[str, int] | None:
     global _nvml_ready
     try:
         import pynvml
@@ -166,5 +177,11 @@ def _nvml_used(index: int) -> int | None:
             _nvml_ready = False
     if not _nvml_ready:
         return None
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return {
+            "nvml_used": int(pynvml.nvmlDeviceGetMemoryInfo(handle).used),
+            "gpu_util": int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+        }
+    except pynvml.NVMLError:
+        return None
