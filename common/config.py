@@ -282,6 +282,12 @@ class PSConfig:
     shm: bool = setting(
         True, help="offer shared-memory segments to waves on this host (--no-shm: TCP only)"
     )
+    metrics_port: int = setting(
+        -1, help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; -1: off)"
+    )
+    metrics_host: str = setting(
+        "", help="address the metrics port binds (default: the host of --bind)"
+    )
     admin_token_file: str = setting(
         "",
         help="file of the token checkpoint and shutdown requests need (made 0600 if missing; "
@@ -304,6 +310,7 @@ class PSConfig:
         _non_negative("expect_waves", self.expect_waves)
         _positive("threads", self.threads)
         check_address("bind", self.bind)
+        _check_metrics_port(self.metrics_port)
 
     @property
     def admin_token_path(self) -> str:
@@ -363,6 +370,10 @@ class WorkerConfig:
         help="cap this process's CUDA caching allocator at this many GiB, so a large card "
         "behaves like a smaller one (0: no cap)",
     )
+    metrics_port: int = setting(
+        -1, help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; -1: off)"
+    )
+    metrics_host: str = setting("127.0.0.1", help="address the metrics port binds")
     curve_secret: str = setting("", help="CURVE: this worker's .key_secret file")
     curve_server_key: str = setting("", help="CURVE: the shards' public .key file")
 
@@ -382,6 +393,7 @@ class WorkerConfig:
         _non_negative("threads", self.threads)
         _non_negative("core_budget", self.core_budget)
         _non_negative("cuda_memory_gib", self.cuda_memory_gib)
+        _check_metrics_port(self.metrics_port)
         if self.device_index < 0:
             self.device_index = self.rank
         if bool(self.curve_secret) != bool(self.curve_server_key):
@@ -448,10 +460,16 @@ class LaunchConfig:
         help="cap each device's CUDA memory at this many GiB, split among its processes, so a "
         "large card behaves like a smaller one (0: no cap)",
     )
+    metrics_port: int = setting(
+        -1,
+        help="every daemon serves Prometheus metrics: shard i on BASE+i, worker r on "
+        "BASE+shards+r (0: free ports, listed at start; -1: off)",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
         _non_negative("cuda_memory_gib", self.cuda_memory_gib)
+        _check_metrics_port(self.metrics_port)
         if not self.devices:
             raise ConfigError("devices is empty: name at least one device, e.g. cpu or cuda:0")
         for d in self.devices:
@@ -492,6 +510,11 @@ def check_address(what: str, address: str) -> None:
         raise ConfigError(f"{what} {address!r} needs a host and a port, {example}")
     if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
         raise ConfigError(f"{what} {address!r}: port {port!r} is not a number from 0 to 65535")
+
+
+def _check_metrics_port(port: int) -> None:
+    if not -1 <= port <= 65535:
+        raise ConfigError(f"metrics_port must be -1 (off), 0 (any free port) or a port, got {port}")
 
 
 def check_device(device: str) -> None:

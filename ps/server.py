@@ -40,6 +40,8 @@ class ShardServer:
         self.config = config
         check_bind(config.bind, secure=bool(config.curve_secret), insecure=config.insecure)
         self._sending: dict[bytes, list[zmq.MessageTracker]] = defaultdict(list)
+        self.bytes_in = 0  # over ZeroMQ (shared-memory tensors are not counted here)
+        self.bytes_out = 0
         token = load_admin_token(config.admin_token_path) if config.admin_token_path else ""
         self.service = ShardService(config, token, weights_in_use=self._weights_in_flight)
         self.context = context or zmq.Context.instance()
@@ -89,6 +91,7 @@ class ShardServer:
                             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        self.bytes_in += sum(len(f) for f in frames[1:])
                         self._send_all(self.service.handle(frames[0].bytes, frames[1:]))
                 if time.monotonic() >= next_tick:
                     self._send_all(self.service.tick())
@@ -115,6 +118,7 @@ class ShardServer:
             self._send(m)
 
     def _send(self, m: Outgoing) -> None:
+        self.bytes_out += sum(t.nbytes for t in m.tensors) + 64  # tensors and a header, about
         if not m.carries_weights:
             send_message(self.socket, m.header, m.tensors, prefix=[m.peer])
             return
@@ -126,7 +130,7 @@ class ShardServer:
                 "read them); read replies before sending more requests"
             )
             log.warning("refused a read: %s", message)
-            self.service.rejected += 1
+            self.service.count_refusal(ErrorCode.LIMIT)
             send_message(
                 self.socket,
                 error_header(m.header.request_id, ErrorCode.LIMIT, message),

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,7 +111,9 @@ class ShardService:
         self.stats: dict[WaveId, WaveStats] = {}
         self.parked: list[_ParkedPull] = []
         self.rejected = 0
+        self.rejected_by_code: Counter[str] = Counter()
         self.checkpoint_failures = 0
+        self.checkpoint_seconds = 0.0  # how long the last checkpoint took
         self.lost_on_restore = 0  # updates the last run applied that its checkpoint missed
         self.stopping = False
         self._admin_token = admin_token
@@ -128,6 +131,21 @@ class ShardService:
             log_path = Path(config.run_dir) / "records" / f"ps-{config.shard_index}-pushes.jsonl"
             self._restore(log_path)
             self.push_log = RecordWriter(log_path)
+        self._start_version = self.shard.version
+
+    @property
+    def updates_applied(self) -> int:
+        """Updates this process applied (the version also counts those restored)."""
+        return self.shard.version - self._start_version
+
+    @property
+    def checkpointed_at(self) -> tuple[int, float]:
+        """Version and monotonic time of the last checkpoint (or of the start)."""
+        return self._checkpointed
+
+    def count_refusal(self, code: str) -> None:
+        self.rejected += 1
+        self.rejected_by_code[str(code)] += 1
 
     # --- the two entry points -----------------------------------------------------------------
 
@@ -548,7 +566,7 @@ class ShardService:
         message: str,
         header: Header | None,
     ) -> Outgoing:
-        self.rejected += 1
+        self.count_refusal(code)
         if header is not None and header.worker and header.wave >= 0:
             wave = (header.worker, header.wave)
             if wave in self.stats:
@@ -565,11 +583,13 @@ class ShardService:
             raise ProtocolError(ErrorCode.MALFORMED, "this shard was started without a run dir")
         if not self.shard.initialized:
             raise ProtocolError(ErrorCode.NOT_INITIALIZED, "nothing to checkpoint yet")
+        started = time.monotonic()
         state = self.shard.state_dict()
         state["clocks"] = [[w[0], w[1], c] for w, c in self.clocks.clocks.items()]
         path = checkpoint_path(self.config.run_dir, self.config.shard_index)
         write_checkpoint(path, state)
         self._checkpointed = (self.shard.version, time.monotonic())
+        self.checkpoint_seconds = self._checkpointed[1] - started
         return path
 
     def _maybe_checkpoint(self) -> None:

@@ -224,9 +224,18 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         server = ShardServer(config)
     except BindError as e:
         raise ConfigError(str(e)) from None
+    endpoint = None
+    if config.metrics_port >= 0:
+        from wavelet.ps.metrics import serve_shard_metrics
+
+        endpoint = serve_shard_metrics(server, config)
     _on_signals(server.stop)
     print(f"shard {config.shard_index} listening on {server.address}", flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if endpoint:
+            endpoint.stop()
     return 0
 
 
@@ -291,11 +300,19 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from wavelet.scripts.stats import print_stats
+    from wavelet.scripts.stats import print_stats, run_dir_shards, watch
 
-    for a in args.addresses:
+    keys = _client_keys(args)
+    if len(args.addresses) == 1 and Path(args.addresses[0]).is_dir():
+        addresses, run_keys = run_dir_shards(Path(args.addresses[0]))
+        keys = keys or run_keys
+    else:
+        addresses = args.addresses
+    for a in addresses:
         check_address("shard address", a)
-    return print_stats(args.addresses, timeout_s=args.timeout, keys=_client_keys(args))
+    if args.watch:
+        return watch(addresses, args.watch, timeout_s=args.timeout, keys=keys)
+    return print_stats(addresses, timeout_s=args.timeout, keys=keys)
 
 
 def _cmd_admin(args: argparse.Namespace) -> int:
@@ -444,9 +461,21 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(run=_cmd_tune)
 
     stats = sub.add_parser("stats", help="print live shards' versions, clocks and staleness")
-    stats.add_argument("addresses", nargs="+", metavar="ADDRESS", help="the shards' addresses")
+    stats.add_argument(
+        "addresses",
+        nargs="+",
+        metavar="ADDRESS",
+        help="the shards' addresses, or the run dir of a job wavelet launch started",
+    )
     stats.add_argument(
         "--timeout", type=_number(float), default=5.0, help="seconds to wait per shard (default 5)"
+    )
+    stats.add_argument(
+        "--watch",
+        type=_number(float),
+        default=0.0,
+        metavar="SECONDS",
+        help="refresh the table every SECONDS until Ctrl-C (default 0: print once)",
     )
     _add_client_key_flags(stats)
     stats.set_defaults(run=_cmd_stats)

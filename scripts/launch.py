@@ -29,6 +29,7 @@ from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_
 from wavelet.common.shm import remove_segments, run_prefix
 from wavelet.scripts.plots import staleness_histograms
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
+from wavelet.scripts.tensorboard_log import RunBoard
 from wavelet.worker.client import call_shard
 from wavelet.worker.evaluate import evaluate_shards
 
@@ -154,6 +155,8 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
         launch_record = {k: v for k, v in to_dict(config).items() if k != "job"}
         (run_dir / "launch.json").write_text(json.dumps(launch_record, indent=2))
     job = Job(config, run_dir)
+    for stale in (run_dir / "metrics").glob("*.url"):  # a resumed run's daemons pick new ones
+        stale.unlink()
     # shards take checkpoint and shutdown requests only with this (0600 in the run dir)
     job.admin_token = load_admin_token(admin_token_file(run_dir))
     if config.curve and config.mode == "ps":
@@ -163,6 +166,7 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
         else:
             job.keys = JobKeys.create(run_dir / "keys", clients)
     started = time.monotonic()
+    board = None
     try:
         if config.mode == "ps":
             addresses = _start_shards(job, job_file, tasks)
@@ -171,12 +175,18 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
             addresses = []
             workers = _start_ranks(job, job_file)
         _say(quiet, f"run dir {run_dir}: {describe(config, job_cfg)}")
-        progress = Progress(run_dir, job_cfg.epochs, since=time.time())
+        if config.metrics_port >= 0:
+            expected = len(addresses) + len(workers)
+            _say(quiet, "metrics: " + ", ".join(metrics_urls(run_dir, expected)))
+        board = RunBoard(run_dir / "tensorboard")
+        progress = Progress(run_dir, job_cfg.epochs, since=time.time(), board=board)
         while any(w.proc.poll() is None for w in workers):
             job.check(allow_exit=tuple(workers))
             time.sleep(0.25)
-            if not quiet and progress.due():
-                print(progress.line(time.monotonic() - started), flush=True)
+            if progress.due():
+                progress.read()  # also writes the TensorBoard scalars as training goes
+                if not quiet:
+                    print(progress.line(time.monotonic() - started), flush=True)
         job.check(allow_exit=tuple(workers))
         summary = _finish(job, job_cfg, addresses, progress)
         _say(quiet, "\n" + format_summary(summary))
@@ -188,6 +198,8 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
         print(f"wavelet launch: {e}", file=sys.stderr)
         return 1
     finally:
+        if board is not None:
+            board.close()
         job.teardown()
 
 
@@ -201,6 +213,21 @@ def describe(config: LaunchConfig, job: JobConfig) -> str:
             f"({config.schedule}), staleness bound {job.staleness}"
         )
     return f"{how}, model {job.model} on {job.dataset}"
+
+
+def _metrics_port(config: LaunchConfig, index: int) -> int:
+    """Daemon ``index``'s metrics port (shards first, then workers): BASE + index, 0 (any) or
+    -1 (off)."""
+    return config.metrics_port + index if config.metrics_port > 0 else config.metrics_port
+
+
+def metrics_urls(run_dir: Path, expected: int, wait_s: float = 10.0) -> list[str]:
+    """The metrics addresses the daemons wrote (they pick them as they start)."""
+    folder = run_dir / "metrics"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and len(list(folder.glob("*.url"))) < expected:
+        time.sleep(0.1)
+    return [f"{p.stem} {p.read_text().strip()}" for p in sorted(folder.glob("*.url"))]
 
 
 def _threads_per_process(devices: list[str], per_device: int = 1) -> int:
@@ -241,6 +268,7 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:
             ]
         if job.config.insecure:
             args.append("--insecure")
+        args += ["--metrics-port", str(_metrics_port(job.config, i))]
         shards.append((job.spawn(f"ps-{i}", args), ready))
     return [_wait_ready(job, child, ready) for child, ready in shards]
 
@@ -287,6 +315,8 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
             cfg.transport,
             "--cuda-memory-gib",
             str(cfg.cuda_memory_gib / cfg.processes_per_device),
+            "--metrics-port",
+            str(_metrics_port(cfg, cfg.job.shards + rank)),
         ]
         for a in addresses:
             args += ["--shard", a]
@@ -332,6 +362,8 @@ def _start_ranks(job: Job, job_file: Path) -> list[Child]:
             str(job.run_dir),
             "--cuda-memory-gib",
             str(job.config.cuda_memory_gib / job.config.processes_per_device),
+            "--metrics-port",
+            str(_metrics_port(job.config, rank)),
         ]
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}  # all on this host
         ranks.append(job.spawn(f"worker-{rank}", args, rank_env))
@@ -366,6 +398,8 @@ def _finish(job: Job, job_cfg: JobConfig, addresses: list[str], progress: Progre
     else:
         accuracy = progress.final_accuracy
         stats = {}
+    if progress.board is not None and accuracy is not None:
+        progress.board.final(accuracy)
     summary = {
         "run_dir": str(job.run_dir),
         "mode": job.config.mode,
@@ -401,8 +435,17 @@ def format_summary(s: dict) -> str:
 class Progress:
     """Reads the workers' records as they grow and summarises them in one line."""
 
-    def __init__(self, run_dir: Path, epochs: int, every_s: float = 2.0, since: float = 0.0):
+    def __init__(
+        self,
+        run_dir: Path,
+        epochs: int,
+        every_s: float = 2.0,
+        since: float = 0.0,
+        board: RunBoard | None = None,
+    ):
         self.dir = run_dir / "records"
+        self.board = board  # TensorBoard scalars, written from the same records
+        self._board_t: float | None = None
         self.since = since  # records from before (a resumed run's first part) do not count
         self.epochs = epochs
         self.every_s = every_s
@@ -426,17 +469,35 @@ class Progress:
 
     def read(self) -> None:
         for path in sorted(self.dir.glob("worker-*.jsonl")):
-            with open(path) as f:
-                f.seek(self._offsets.get(path, 0))
-                for line in f:
-                    if not line.endswith("\n"):
-                        break
-                    self._offsets[path] = self._offsets.get(path, 0) + len(line.encode())
-                    self._take(path.stem, json.loads(line))
+            wave = path.stem.replace("worker-", "w").replace("-wave-", "/")
+            for r in self._new_records(path):
+                self._take(wave, r)
+        if self.board:
+            for path in sorted(self.dir.glob("ps-*-pushes.jsonl")):
+                for r in self._new_records(path):
+                    if r.get("t", self.since) >= self.since:
+                        self.board.push(r)
+            if self.elapsed() > 0 and self.last_t != self._board_t:
+                self._board_t = self.last_t
+                self.board.throughput(self.samples / self.elapsed(), self.elapsed(), self.last_t)
+
+    def _new_records(self, path: Path):
+        with open(path) as f:
+            f.seek(self._offsets.get(path, 0))
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                self._offsets[path] = self._offsets.get(path, 0) + len(line.encode())
+                yield json.loads(line)
 
     def _take(self, wave: str, r: dict) -> None:
         if r.get("t", self.since) < self.since:
             return
+        if self.board:
+            if r["kind"] == "step":
+                self.board.step(wave, r)
+            elif r["kind"] in ("eval", "final"):
+                self.board.evaluation(r.get("epoch", self.epoch) + 1, r["test_acc"], r["t"])
         if r["kind"] == "start":
             self.first_t = r["t"] if self.first_t is None else min(self.first_t, r["t"])
         elif r["kind"] == "step":
@@ -457,7 +518,6 @@ class Progress:
         return self.last_t - self.first_t
 
     def line(self, wall: float) -> str:
-        self.read()
         # "-" until there is a number: no "loss nan  0 samples/s" before the first step
         loss = f"{sum(self.loss.values()) / len(self.loss):.4f}" if self.loss else "-"
         rate = f"{self.samples / self.elapsed():.0f}" if self.elapsed() > 0 else "-"

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
+from wavelet.common.config import ConfigError
 from wavelet.common.metrics import quantile
-from wavelet.common.protocol import Op, RemoteError
-from wavelet.worker.client import ShardTimeout, call_shard
+from wavelet.common.protocol import Op, ShardError
+from wavelet.common.security import JobKeys
+from wavelet.worker.client import call_shard
 
 
 def fetch_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> list[dict]:
@@ -73,7 +77,7 @@ def format_wave_table(waves: dict[str, dict]) -> str:
 def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
     try:
         shards = fetch_stats(addresses, timeout_s, keys)
-    except (ShardTimeout, RemoteError) as e:
+    except ShardError as e:
         print(f"wavelet stats: {e}", file=sys.stderr)
         return 1
     for s in shards:
@@ -88,3 +92,26 @@ def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
         "shared memory, tcp: ZeroMQ frames)"
     )
     return 0
+
+
+def run_dir_shards(run_dir: Path):
+    """The shard addresses a ``wavelet launch`` run dir records (``ps-<i>.addr``, written as each
+    shard starts listening), and the launcher's CURVE keys if the job has them."""
+    found = sorted(run_dir.glob("ps-*.addr"), key=lambda p: int(p.stem.split("-")[1]))
+    if not found:
+        raise ConfigError(f"{run_dir} records no shard addresses (ps-<i>.addr): not a PS run dir?")
+    keys = JobKeys(run_dir / "keys").client("launcher") if (run_dir / "keys").is_dir() else None
+    return [p.read_text().strip() for p in found], keys
+
+
+def watch(addresses: list[str], every_s: float, timeout_s: float = 5.0, keys=None) -> int:
+    """Print the table every ``every_s`` seconds until Ctrl-C (exit 0) or the shards stop
+    answering (exit 1)."""
+    try:
+        while True:
+            print("\033[H\033[J" + time.strftime("%H:%M:%S"), flush=True)  # clear, then redraw
+            if print_stats(addresses, timeout_s, keys) != 0:
+                return 1
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        return 0

@@ -21,10 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from wavelet.common.config import ConfigError, WorkerConfig
 from wavelet.common.job import build_dataset_and_model
+from wavelet.common.protocol import wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory
+from wavelet.worker.metrics import serve_worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class AllReduceWorker:
         cfg, job = self.config, self.config.job
         rank, world = dist.get_rank(), dist.get_world_size()
         records = RecordWriter(Path(cfg.run_dir) / "records" / f"worker-{rank}-wave-0.jsonl")
+        metrics, endpoint = serve_worker_metrics(cfg, rank)
         dataset, model = build_dataset_and_model(job, device)
         ddp = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
@@ -120,26 +123,27 @@ class AllReduceWorker:
                     if device.type == "cuda":
                         torch.cuda.current_stream(device).synchronize()
                     t3 = time.perf_counter()
-                    records.write(
-                        {
-                            "kind": "step",
-                            "t": time.time(),
-                            "wave": 0,
-                            "epoch": epoch,
-                            "iter": iteration,
-                            "clock": iteration,
-                            "loss": float(loss.detach()),
-                            "samples": len(y),
-                            "t_forward_start": t_start,
-                            "t_forward_end": t_end,
-                            "forward_s": t1 - t0,
-                            "backward_allreduce_s": t2 - t1,
-                            "optimizer_s": t3 - t2,
-                            "saved_bytes_peak": meter.peak,
-                            "wire_bytes": wire_bytes,
-                            **device_memory(device),
-                        }
-                    )
+                    step = {
+                        "kind": "step",
+                        "t": time.time(),
+                        "wave": 0,
+                        "epoch": epoch,
+                        "iter": iteration,
+                        "clock": iteration,
+                        "loss": float(loss.detach()),
+                        "samples": len(y),
+                        "t_forward_start": t_start,
+                        "t_forward_end": t_end,
+                        "forward_s": t1 - t0,
+                        "backward_allreduce_s": t2 - t1,
+                        "optimizer_s": t3 - t2,
+                        "saved_bytes_peak": meter.peak,
+                        "wire_bytes": wire_bytes,
+                        **device_memory(device),
+                    }
+                    records.write(step)
+                    if metrics is not None:
+                        metrics.record(wave_name(f"w{rank}", 0), step)
                     iteration += 1
                 if rank == 0 and job.eval_every and (epoch + 1) % job.eval_every == 0:
                     records.write(
@@ -153,6 +157,8 @@ class AllReduceWorker:
                 records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
             return 0
         finally:
+            if endpoint is not None:
+                endpoint.stop()
             if rank == 0:
                 records.write(
                     {

@@ -26,6 +26,7 @@ from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import client_keys
 from wavelet.worker.heartbeat import Heartbeat
 from wavelet.worker.memory import cap_cuda_memory
+from wavelet.worker.metrics import serve_worker_metrics
 from wavelet.worker.threads import ThreadChoice, choose_threads
 from wavelet.worker.wave import Wave, WaveIdentity
 
@@ -51,6 +52,7 @@ class WorkerDaemon:
             baton = ForwardBaton(job.waves, job.baton_timeout_s)
         else:
             baton = NoBaton()
+        metrics, endpoint = serve_worker_metrics(cfg, cfg.rank)
         context = zmq.Context()
         waves = [
             Wave(
@@ -63,6 +65,7 @@ class WorkerDaemon:
                 self.stop_event,
                 context,
                 evaluate=(cfg.rank == 0 and i == 0),
+                metrics=metrics,
             )
             for i in range(job.waves)
         ]
@@ -98,6 +101,8 @@ class WorkerDaemon:
                 r.join(5.0)
             if not any(r.is_alive() for r in runners):
                 context.term()
+            if endpoint:
+                endpoint.stop()
         return report_failures(waves)
 
     def _threads(self, dataset) -> ThreadChoice:

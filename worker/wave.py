@@ -55,6 +55,7 @@ class Wave:
         stop: threading.Event,
         context: zmq.Context,
         evaluate: bool = False,
+        metrics=None,
     ):
         self.ident = ident
         self.config = config
@@ -64,6 +65,7 @@ class Wave:
         self.stop = stop
         self.context = context
         self.evaluate = evaluate
+        self.metrics = metrics  # WorkerMetrics (worker/metrics.py), when they are served
         self.device = torch.device(config.device)
         self.keys = client_keys(config)
         self.error: BaseException | None = None
@@ -245,6 +247,8 @@ class Wave:
             **device_memory(dev),
         )
         self.records.write(rec)
+        if self.metrics is not None:
+            self.metrics.record(self.ident.name, rec)
         return next_pull
 
     def _record_eval(self, model: torch.nn.Module, epoch: int) -> None:

@@ -1,0 +1,138 @@
+"""A shard's Prometheus metrics, read from its ``ShardService`` when scraped (nothing is counted
+twice: the service's own statistics are the source, as for ``wavelet stats``).
+
+Names follow Prometheus conventions: ``wavelet_shard_*``, counters end in ``_total``, times in
+``_seconds``, sizes in ``_bytes``; every series carries ``shard``, per-wave ones ``wave``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from wavelet.common.prometheus import MetricsEndpoint
+from wavelet.common.protocol import wave_name
+
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+class ShardCollector:
+    """Collects from ``service`` (and the transport's byte counts) at scrape time."""
+
+    def __init__(self, service, transport=None):
+        self.service = service
+        self.transport = transport  # ShardServer: bytes in and out
+
+    def collect(self):
+        svc = self.service
+        shard = str(svc.config.shard_index)
+        labels = ["shard"]
+        waves = list(svc.stats.items())  # the service's thread may add one meanwhile
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([shard], value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([shard], value)
+            return c
+
+        yield gauge(
+            "wavelet_shard_version", "updates this shard's weights carry", svc.shard.version
+        )
+        yield counter(
+            "wavelet_shard_updates", "updates applied by this process", svc.updates_applied
+        )
+        yield gauge("wavelet_shard_live_waves", "waves in the membership", len(svc.clocks.live))
+        yield gauge("wavelet_shard_parked_pulls", "pulls the bound holds now", len(svc.parked))
+        yield counter(
+            "wavelet_shard_checkpoint_failures",
+            "checkpoints that could not be written",
+            svc.checkpoint_failures,
+        )
+        version, when = svc.checkpointed_at
+        yield gauge(
+            "wavelet_shard_checkpoint_age_seconds",
+            "seconds since the last checkpoint",
+            time.monotonic() - when,
+        )
+        yield gauge(
+            "wavelet_shard_checkpoint_duration_seconds",
+            "how long the last checkpoint took",
+            svc.checkpoint_seconds,
+        )
+        errors = CounterMetricFamily(
+            "wavelet_shard_error_replies",
+            "requests refused, by error code",
+            labels=["shard", "code"],
+        )
+        for code, n in sorted(svc.rejected_by_code.items()):
+            errors.add_metric([shard, code], n)
+        yield errors
+        if self.transport is not None:
+            yield counter(
+                "wavelet_shard_received_bytes",
+                "bytes of requests received over ZeroMQ",
+                self.transport.bytes_in,
+            )
+            yield counter(
+                "wavelet_shard_sent_bytes",
+                "bytes of replies sent over ZeroMQ",
+                self.transport.bytes_out,
+            )
+
+        per_wave = ["shard", "wave"]
+        pushes = CounterMetricFamily("wavelet_shard_pushes", "gradients pushed", labels=per_wave)
+        pulls = CounterMetricFamily("wavelet_shard_pulls", "weights served", labels=per_wave)
+        parked = CounterMetricFamily(
+            "wavelet_shard_pulls_parked", "pulls the staleness bound held back", labels=per_wave
+        )
+        parked_s = CounterMetricFamily(
+            "wavelet_shard_parked_seconds", "time pulls were held back", labels=per_wave
+        )
+        dropped = CounterMetricFamily(
+            "wavelet_shard_dropped", "gradients the drop policy refused", labels=per_wave
+        )
+        staleness = HistogramMetricFamily(
+            "wavelet_shard_staleness",
+            "updates applied between a wave's read and its push",
+            labels=per_wave,
+        )
+        for wave, st in waves:
+            key = [shard, wave_name(*wave)]
+            pushes.add_metric(key, st.pushes)
+            pulls.add_metric(key, st.reads_total)
+            parked.add_metric(key, st.parked)
+            parked_s.add_metric(key, st.parked_s)
+            dropped.add_metric(key, st.dropped)
+            hist = dict(st.staleness)
+            buckets = [
+                (str(b), sum(n for tau, n in hist.items() if tau <= b)) for b in STALENESS_BUCKETS
+            ]
+            buckets.append(("+Inf", sum(hist.values())))
+            staleness.add_metric(key, buckets, sum(tau * n for tau, n in hist.items()))
+        yield from (pushes, pulls, parked, parked_s, dropped, staleness)
+
+
+def serve_shard_metrics(server, config) -> MetricsEndpoint:
+    """Serve ``server``'s metrics on ``config.metrics_port``; the host is the shard's own (a shard
+    bound to loopback serves metrics on loopback) unless ``metrics_host`` says otherwise."""
+    host = config.metrics_host or urlsplit(config.bind).hostname or "127.0.0.1"
+    if host == "*":
+        host = "0.0.0.0"
+    registry = CollectorRegistry()
+    registry.register(ShardCollector(server.service, server))
+    endpoint = MetricsEndpoint(registry, host, config.metrics_port, f"shard {config.shard_index}")
+    if config.run_dir:
+        endpoint.write_address(Path(config.run_dir) / "metrics" / f"ps-{config.shard_index}.url")
+    return endpoint

@@ -1,0 +1,118 @@
+"""Prometheus metrics from live daemons and TensorBoard scalars from every run, checked against
+the shards' own statistics and the run's JSON records."""
+
+import json
+import time
+import urllib.request
+
+import pytest
+from conftest import run_wavelet, started, wavelet_cmd
+from prometheus_client.parser import text_string_to_metric_families
+
+from wavelet.common.protocol import Op
+from wavelet.common.records import read_records
+from wavelet.worker.client import call_shard
+
+
+def _scrape(url: str) -> dict[str, dict[tuple, float]]:
+    """name -> {sorted label items: value}, for every sample of the page at ``url``."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = wavelet_cmd("launch", "--run-dir", str(run_dir), "--epochs", "60", "--metrics-port", "0")
+    with started(cmd, tmp_path / "launch.log") as launcher:
+        urls = run_dir / "metrics"
+        _wait_for(lambda: len(list(urls.glob("*.url"))) == 3, 60, "daemons did not serve metrics")
+        shard_url = (urls / "ps-0.url").read_text().strip()
+        worker_url = (urls / "worker-0.url").read_text().strip()
+        assert shard_url.startswith("http://127.0.0.1:")  # binds like the shard: loopback
+        address = (run_dir / "ps-0.addr").read_text().strip()
+        _wait_for(lambda: _scrape(shard_url).get("wavelet_shard_pushes_total"), 60, "no pushes yet")
+        before = call_shard(address, Op.STATS).body["waves"]
+        first = _scrape(shard_url)
+        after = call_shard(address, Op.STATS).body["waves"]
+        for labels, count in first["wavelet_shard_staleness_count"].items():
+            wave = dict(labels)["wave"]
+            assert first["wavelet_shard_pushes_total"][labels] == count
+            assert before[wave]["pushes"] <= count <= after[wave]["pushes"]
+            buckets = {
+                dict(k)["le"]: v
+                for k, v in first["wavelet_shard_staleness_bucket"].items()
+                if dict(k)["wave"] == wave
+            }
+            assert buckets["+Inf"] == count
+        time.sleep(1.5)
+        second = _scrape(shard_url)
+        for labels, count in first["wavelet_shard_pushes_total"].items():
+            assert second["wavelet_shard_pushes_total"][labels] > count, "pushes did not rise"
+        shard0 = (("shard", "0"),)
+        updates = "wavelet_shard_updates_total"
+        assert second[updates][shard0] > first[updates][shard0] > 0
+        w1 = _scrape(worker_url)
+        time.sleep(1.5)
+        w2 = _scrape(worker_url)
+        for labels, samples in w1["wavelet_worker_samples_total"].items():
+            assert w2["wavelet_worker_samples_total"][labels] > samples
+            assert dict(labels)["wave"] in ("w0/0", "w0/1")
+        assert w2["wavelet_worker_forward_seconds_total"]
+        # wavelet stats finds the shards from the run dir
+        done = run_wavelet("stats", str(run_dir), timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "w0/0" in done.stdout and "shm" in done.stdout
+        launcher.send_signal(2)
+        launcher.wait(30)
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_scalars_match_the_records(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    done = run_wavelet("launch", "--run-dir", str(run_dir), "--epochs", "3", timeout=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (run_dir / "metrics").exists()  # metrics are off unless asked for
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for wave in (0, 1):
+        steps = [
+            r
+            for r in read_records(run_dir / "records" / f"worker-0-wave-{wave}.jsonl")
+            if r["kind"] == "step"
+        ]
+        losses = events.Scalars(f"loss/w0/{wave}")
+        assert [e.step for e in losses] == [r["iter"] for r in steps]
+        for e, r in zip(losses, steps, strict=True):
+            assert e.value == pytest.approx(r["loss"], rel=1e-6)
+        forward = events.Scalars(f"step_time/forward_s/w0/{wave}")
+        assert len(forward) == len(steps)
+        assert f"activations/saved_bytes_peak/w0/{wave}" in tags
+        assert f"staleness/mean/w0/{wave}" in tags and f"staleness/p99/w0/{wave}" in tags
+    evals = [
+        r
+        for r in read_records(run_dir / "records" / "worker-0-wave-0.jsonl")
+        if r["kind"] == "eval"
+    ]
+    accuracy = events.Scalars("test_accuracy")
+    assert [e.value for e in accuracy] == pytest.approx([r["test_acc"] for r in evals])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    final = events.Scalars("final_test_accuracy")
+    assert final[0].value == pytest.approx(summary["test_accuracy"])
+    assert events.Scalars("samples_per_s")

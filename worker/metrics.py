@@ -1,0 +1,83 @@
+"""A worker's Prometheus metrics, per wave, updated from the same numbers as its step records.
+
+``wavelet_worker_*{worker="w0", wave="w0/1"}``: samples and steps (counters: ``rate()`` gives
+samples/s), samples/s over the last step, seconds spent in forward, backward, push+pull, waiting
+for the baton and for the staleness bound (counters), saved-activation bytes at the last step's
+peak, the last loss, and on a GPU the allocator's bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from wavelet.common.prometheus import MetricsEndpoint
+
+TIMES = ("forward_s", "backward_s", "push_pull_s", "baton_wait_s", "bound_wait_s")
+
+
+class WorkerMetrics:
+    def __init__(self, worker: str):
+        self.registry = CollectorRegistry()
+        self.worker = worker
+        labels = ["worker", "wave"]
+        r = self.registry
+        self.samples = Counter("wavelet_worker_samples", "samples trained", labels, registry=r)
+        self.steps = Counter("wavelet_worker_steps", "steps (push+pull) done", labels, registry=r)
+        self.rate = Gauge(
+            "wavelet_worker_samples_per_second", "samples/s over the last step", labels, registry=r
+        )
+        self.seconds = {
+            name: Counter(
+                f"wavelet_worker_{name[:-2]}_seconds",
+                f"time spent in {name[:-2].replace('_', ' ')}",
+                labels,
+                registry=r,
+            )
+            for name in TIMES
+        }
+        self.saved = Gauge(
+            "wavelet_worker_saved_activation_bytes",
+            "peak bytes of activations saved for backward in the last step",
+            labels,
+            registry=r,
+        )
+        self.loss = Gauge(
+            "wavelet_worker_loss", "training loss of the last step", labels, registry=r
+        )
+        self.cuda = {
+            key: Gauge(f"wavelet_worker_{key}_bytes", f"torch.cuda {key}", labels, registry=r)
+            for key in ("cuda_allocated", "cuda_reserved", "nvml_used")
+        }
+        self._last_t: dict[str, float] = {}
+
+    def record(self, wave: str, step: dict) -> None:
+        """Account one step record (worker/wave.py writes the same dict to its records)."""
+        key = (self.worker, wave)
+        self.samples.labels(*key).inc(step["samples"])
+        self.steps.labels(*key).inc()
+        for name, counter in self.seconds.items():
+            counter.labels(*key).inc(step.get(name, 0.0))
+        self.saved.labels(*key).set(step.get("saved_bytes_peak", 0))
+        self.loss.labels(*key).set(step["loss"])
+        for name, gauge in self.cuda.items():
+            if name in step:
+                gauge.labels(*key).set(step[name])
+        last = self._last_t.get(wave)
+        if last is not None and step["t"] > last:
+            self.rate.labels(*key).set(step["samples"] / (step["t"] - last))
+        self._last_t[wave] = step["t"]
+
+
+def serve_worker_metrics(config, rank: int) -> tuple[WorkerMetrics | None, MetricsEndpoint | None]:
+    """Metrics of worker ``rank`` and their endpoint, when ``config.metrics_port`` asks for them
+    (the address also goes to RUN_DIR/metrics/worker-<rank>.url); (None, None) otherwise."""
+    if config.metrics_port < 0:
+        return None, None
+    metrics = WorkerMetrics(f"w{rank}")
+    endpoint = MetricsEndpoint(
+        metrics.registry, config.metrics_host, config.metrics_port, f"worker {rank}"
+    )
+    endpoint.write_address(Path(config.run_dir) / "metrics" / f"worker-{rank}.url")
+    return metrics, endpoint
