@@ -95,8 +95,9 @@ MODES = ("ps", "allreduce")
 STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
-BUILTIN_MODELS = ("mlp", "digits_cnn", "resnet18")  # common/models.py; or package.module:function
-BUILTIN_DATASETS = ("digits", "synthetic")  # common/datasets.py; or package.module:function
+# common/models.py and common/datasets.py; a user's own is named package.module:function
+BUILTIN_MODELS = ("mlp", "digits_cnn", "resnet18")
+BUILTIN_DATASETS = ("digits", "synthetic", "patterns")
 
 
 @dataclass
@@ -200,6 +201,11 @@ class JobConfig:
     # activations; 1.0 passes it the moment the forward ends (see docs/design.md).
     baton_handoff: float = setting(
         0.3, help="pass the baton once backward freed all but this fraction of activations"
+    )
+    activation_checkpointing: bool = setting(
+        False,
+        help="recompute the model's blocks in backward instead of keeping their activations "
+        "(torch.utils.checkpoint; see common/models.py)",
     )
     # A straggler, for experiments: wave number slow_wave (counted over the whole job, -1 for
     # none) takes slow_factor times as long per iteration.

@@ -105,7 +105,39 @@ def synthetic(
     return Dataset(x[:train_size], y[:train_size], x[train_size:], y[train_size:], num_classes)
 
 
-BUILTIN_DATASETS: dict[str, Callable[..., Dataset]] = {"digits": digits, "synthetic": synthetic}
+def patterns(
+    seed: int = 0,
+    shape: tuple[int, ...] | list[int] = (3, 32, 32),
+    num_classes: int = 10,
+    train_size: int = 4096,
+    test_size: int = 512,
+    noise: float = 10.0,
+    max_shift: int = 2,
+) -> Dataset:
+    """Images a CNN learns in seconds: each class is a smooth random pattern (a 4x4 grid of
+    colours, upsampled), each sample its class's pattern at a random contrast under Gaussian
+    noise; training batches are shifted by up to ``max_shift`` pixels. At the default noise a
+    narrow ResNet-18 (width 16) climbs to about 80% test accuracy in a minute on one CPU core,
+    so time to accuracy is measurable, and its activations dominate its memory."""
+    g = torch.Generator().manual_seed(2000 + seed)
+    shape = tuple(int(s) for s in shape)
+    channels, size = shape[0], shape[1:]
+    coarse = torch.randn(num_classes, channels, 4, 4, generator=g)
+    templates = torch.nn.functional.interpolate(coarse, size=size, mode="bilinear")
+    n = train_size + test_size
+    y = torch.randint(0, num_classes, (n,), generator=g)
+    contrast = 0.5 + torch.rand(n, 1, 1, 1, generator=g)
+    x = templates[y] * contrast + noise * torch.randn(n, *shape, generator=g)
+    return Dataset(
+        x[:train_size], y[:train_size], x[train_size:], y[train_size:], num_classes, max_shift
+    )
+
+
+BUILTIN_DATASETS: dict[str, Callable[..., Dataset]] = {
+    "digits": digits,
+    "synthetic": synthetic,
+    "patterns": patterns,
+}
 
 
 def build_dataset(name: str, seed: int, **kwargs) -> Dataset:

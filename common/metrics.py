@@ -44,6 +44,17 @@ def quantile(hist: dict[int, int], q: float) -> int:
     return 0
 
 
+# What a step's time is made of, as the records name it (PS waves; all-reduce ranks)
+STEP_PARTS = (
+    "forward_s",
+    "backward_s",
+    "push_pull_s",
+    "baton_wait_s",
+    "backward_allreduce_s",
+    "optimizer_s",
+)
+
+
 @dataclass
 class RunMetrics:
     run_dir: str
@@ -57,6 +68,7 @@ class RunMetrics:
     wire_bytes_per_sample: float = 0.0
     staleness: dict[str, dict] = field(default_factory=dict)  # wave -> mean, p99, hist, dropped
     bound_wait_s: float = 0.0
+    step_means: dict[str, float] = field(default_factory=dict)  # seconds per step, by part
     memory_traces: dict[str, dict[str, Trace]] = field(default_factory=dict)  # device -> wave
 
     @property
@@ -89,6 +101,7 @@ def run_metrics(run_dir: str | Path, target_accuracy: float) -> RunMetrics:
     devices: dict[str, str] = {}
     traces: dict[str, dict[str, Trace]] = defaultdict(dict)
     evals: list[tuple[float, float]] = []
+    parts: dict[str, list[float]] = defaultdict(list)
     for path in sorted((run_dir / "records").glob("worker-*.jsonl")):
         wave = path.stem.replace("worker-", "w").replace("-wave-", "/")
         for r in read_records(path):
@@ -99,6 +112,9 @@ def run_metrics(run_dir: str | Path, target_accuracy: float) -> RunMetrics:
             elif kind == "step":
                 samples += r["samples"]
                 wire += r.get("wire_bytes", 0)
+                for part in STEP_PARTS:
+                    if part in r:
+                        parts[part].append(r[part])
                 m.bound_wait_s += r.get("bound_wait_s", 0.0)
                 last_t = r["t"] if last_t is None else max(last_t, r["t"])
             elif kind == "eval":
@@ -107,6 +123,7 @@ def run_metrics(run_dir: str | Path, target_accuracy: float) -> RunMetrics:
                 traces[devices.get(wave, "0")][wave] = [tuple(p) for p in r["trace"]]
     if start is None or last_t is None:
         return m
+    m.step_means = {k: sum(v) / len(v) for k, v in parts.items()}
     m.train_seconds = last_t - start
     m.samples_per_s = samples / m.train_seconds if m.train_seconds > 0 else 0.0
     m.wire_bytes_per_sample = wire / samples if samples else 0.0

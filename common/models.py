@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from wavelet.common.imports import import_callable
@@ -64,27 +65,34 @@ class _BasicBlock(nn.Module):
 
 
 class ResNet18(nn.Module):
-    """ResNet-18 for 32x32 images (CIFAR style: 3x3 stem, no max-pool; 11.2M parameters)."""
+    """ResNet-18 for 32x32 images (CIFAR style: 3x3 stem, no max-pool; 11.2M parameters at
+    width 64). ``width`` scales every layer's channels: at 16 it has 0.7M parameters and its
+    activations, not its weights, fill its memory."""
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 10):
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, width: int = 64):
         super().__init__()
         self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()
+            nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
         )
-        layers, cin = [], 64
-        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers, cin = [], width
+        for factor, stride in ((1, 1), (2, 2), (4, 2), (8, 2)):
+            cout = factor * width
             layers += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
             cin = cout
         self.layers = nn.Sequential(*layers)
-        self.head = nn.Linear(512, num_classes)
+        self.head = nn.Linear(8 * width, num_classes)
+
+    def checkpoint_blocks(self) -> list[nn.Module]:
+        """What activation checkpointing recomputes: the stem and each residual block."""
+        return [self.stem, *self.layers]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.layers(self.stem(x))
         return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
 
 
-def resnet18(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return ResNet18(input_shape[0], num_classes)
+def resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 64) -> nn.Module:
+    return ResNet18(input_shape[0], num_classes, width)
 
 
 _BUILD_LOCK = threading.Lock()
@@ -109,3 +117,43 @@ def build_model(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model factory {name!r} returned {type(model).__name__}, not nn.Module")
     return model
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Run the model's blocks under activation checkpointing (``torch.utils.checkpoint``,
+    non-reentrant): their activations are not kept for backward but recomputed then, so a larger
+    batch fits the same memory at the cost of a second forward. Gradients are exactly those of
+    the plain model; parameter names do not change (the sharding plan stays the same). BatchNorm
+    running statistics are updated again by the recomputation.
+
+    Which blocks: what ``model.checkpoint_blocks()`` returns where the model defines one (the
+    hook for a user's model; ResNet-18 returns its stem and residual blocks); for an
+    ``nn.Sequential``, about sqrt(n) segments of consecutive layers (one layer per segment would
+    keep every layer's input: no saving); else every top-level child but the last (usually the
+    classifier, whose activations are small). Returns how many blocks run checkpointed."""
+    hook = getattr(model, "checkpoint_blocks", None)
+    if callable(hook):
+        blocks = list(hook())
+    elif isinstance(model, nn.Sequential):
+        layers = list(model.children())
+        segments = max(2, round(math.sqrt(len(layers))))
+        model.forward = lambda x: (
+            torch.utils.checkpoint.checkpoint_sequential(layers, segments, x, use_reentrant=False)
+            if torch.is_grad_enabled()
+            else nn.Sequential.forward(model, x)
+        )
+        return segments - 1  # checkpoint_sequential runs the last segment plainly
+    else:
+        blocks = list(model.children())[:-1]
+    for block in blocks:
+        block.forward = _checkpointed(block.forward)
+    return len(blocks)
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run

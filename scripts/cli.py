@@ -257,22 +257,37 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from wavelet.scripts.compare import compare, format_table
+    from wavelet.scripts.budget import parse_budget
+    from wavelet.scripts.compare import (
+        BUDGET_MODES,
+        DEFAULT_MODES,
+        compare,
+        format_table,
+        plan_budget,
+        verdict,
+    )
 
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    job = job_from_args(args)
+    plan = None
+    if args.memory_budget:
+        plan = plan_budget(job, parse_budget(args.memory_budget), args.devices[0], args.lr_scaling)
+    default = BUDGET_MODES if plan else DEFAULT_MODES
+    modes = [m.strip() for m in (args.modes or ",".join(default)).split(",") if m.strip()]
     try:
         results = compare(
-            job_from_args(args),
+            job,
             args.devices,
             modes,
             out,
             args.target_acc,
             {"cuda_memory_gib": args.cuda_memory_gib},
+            plan,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    print(format_table(results, args.target_acc))
+    print("\n".join(verdict(results, args.target_acc, plan)))
+    print(format_table(results, args.target_acc, plan))
     print(f"report: {out / 'report.md'}")
     return 0 if all(r.ok for r in results) else 1
 
@@ -397,6 +412,7 @@ def _add_sweep_flags(p: argparse.ArgumentParser, name: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from wavelet.scripts.compare import BUDGET_MODES
     from wavelet.scripts.compare import MODES as COMPARE_MODES
 
     p = _Parser(
@@ -439,8 +455,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_flags(comp)
     comp.add_argument(
         "--modes",
-        default=",".join(COMPARE_MODES),
-        help="comma-separated modes, from " + ", ".join(COMPARE_MODES) + " (default: all)",
+        default="",
+        help="comma-separated modes, from "
+        + ", ".join(COMPARE_MODES)
+        + " (default: all but allreduce-ckpt; with --memory-budget: "
+        + ", ".join(BUDGET_MODES)
+        + ")",
+    )
+    comp.add_argument(
+        "--memory-budget",
+        default="",
+        metavar="SIZE",
+        help="compare at equal memory: each mode at the largest batch per task whose saved "
+        "activations per device fit SIZE (200MB, 1.5GiB, or 1.3x one wave's peak)",
+    )
+    comp.add_argument(
+        "--lr-scaling",
+        choices=["linear", "none"],
+        default="linear",
+        help="with --memory-budget: the learning rate follows the samples per update "
+        "(linear) or stays (none) (default linear)",
     )
     _add_sweep_flags(comp, "compare")
     comp.set_defaults(run=_cmd_compare)

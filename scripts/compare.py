@@ -16,53 +16,97 @@ from pathlib import Path
 
 from wavelet.common.config import JobConfig, LaunchConfig
 from wavelet.common.metrics import RunMetrics, run_metrics
+from wavelet.scripts.budget import (
+    ActivationProbe,
+    Budget,
+    BudgetError,
+    largest_batch,
+    scaled_lr,
+)
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time, memory_timelines
 
-# name -> (description, launch settings, job settings); each is the same job otherwise
-MODES: dict[str, tuple[str, dict, dict]] = {
-    "ticktock": (
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One way to train the job: launch settings and job settings over the job's own."""
+
+    description: str
+    launch: dict
+    job: dict
+    # How many tasks' activations a device holds at once at most, for the equal-memory search:
+    # the baton lets tick-tock's second wave start only once the first holds baton_handoff of
+    # its peak (None: 1 + the job's baton_handoff).
+    tasks_at_once: float | None
+    allreduce: bool = False
+
+    def at_once(self, job: JobConfig) -> float:
+        return 1.0 + job.baton_handoff if self.tasks_at_once is None else self.tasks_at_once
+
+
+MODES: dict[str, Mode] = {
+    "ticktock": Mode(
         "PS, 2 waves per device taking turns at forward (shared memory to co-located shards)",
         {"schedule": "ticktock"},
         {"waves": 2},
+        None,
     ),
-    "ticktock-tcp": (
+    "ticktock-tcp": Mode(
         "PS, 2 waves tick-tock, tensors over TCP (ZeroMQ frames) even to co-located shards",
         {"schedule": "ticktock", "transport": "tcp"},
         {"waves": 2},
+        None,
     ),
-    "ticktock-wide": (
+    "ticktock-wide": Mode(
         "PS, 2 waves tick-tock, the worker's thread pool sized for one wave at a time",
         {"schedule": "ticktock", "threads": os.cpu_count() or 1},
         {"waves": 2},
+        None,
     ),
-    "single": ("PS, 1 wave per device", {"schedule": "ticktock"}, {"waves": 1}),
-    "together": (
+    "single": Mode("PS, 1 wave per device", {"schedule": "ticktock"}, {"waves": 1}, 1.0),
+    "together": Mode(
         "PS, 2 waves per device started together (no baton)",
         {"schedule": "together"},
         {"waves": 2},
+        2.0,
     ),
-    "procs": (
+    "procs": Mode(
         "PS, 2 worker processes per device, 1 wave each (waves as processes, no baton)",
         {"schedule": "together", "processes_per_device": 2},
         {"waves": 1},
+        2.0,
     ),
-    "bsp": (
+    "bsp": Mode(
         "PS, 2 waves tick-tock, bulk-synchronous (s = 0)",
         {"schedule": "ticktock"},
         {"waves": 2, "staleness": 0},
+        None,
     ),
-    "allreduce": (
-        "all-reduce DDP, 1 rank per device (batch x 2)",
+    "allreduce": Mode(
+        "all-reduce DDP, 1 rank per device (batch x 2; at a memory budget, the batch that fits)",
         {"mode": "allreduce", "processes_per_device": 1},
         {"waves": 2},
+        1.0,
+        allreduce=True,
     ),
-    "allreduce2": (
+    "allreduce2": Mode(
         "all-reduce DDP, 2 ranks per device",
         {"mode": "allreduce", "processes_per_device": 2},
         {"waves": 2},
+        2.0,
+        allreduce=True,
+    ),
+    "allreduce-ckpt": Mode(
+        "all-reduce DDP, 1 rank per device, activation checkpointing of the model's blocks",
+        {"mode": "allreduce", "processes_per_device": 1},
+        {"waves": 2, "activation_checkpointing": True},
+        1.0,
+        allreduce=True,
     ),
 }
+DEFAULT_MODES = [m for m in MODES if m != "allreduce-ckpt"]  # that one is for memory budgets
+# At a memory budget: the choices of a user whose model does not fit (docs/design.md)
+BUDGET_MODES = ["ticktock", "single", "together", "allreduce", "allreduce2", "allreduce-ckpt"]
 
 
 @dataclasses.dataclass
@@ -71,6 +115,53 @@ class ModeResult:
     ok: bool
     metrics: RunMetrics | None = None
     error: str = ""
+    batch: int = 0  # per task (wave or rank), when a memory budget chose it
+    predicted_peak: int = 0  # the device peak the budget search measured at that batch
+    lr: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """The equal-memory settings of a comparison."""
+
+    budget: Budget
+    budget_bytes: int
+    lr_rule: str = "linear"
+
+
+def plan_budget(job: JobConfig, budget: Budget, device: str, lr_rule: str) -> BudgetPlan:
+    """Resolve a relative budget against one wave's measured peak at the job's batch."""
+    if budget.relative:
+        one_wave = ActivationProbe(job, False, device).peak(job.batch_size)
+        return BudgetPlan(budget, int(budget.relative * one_wave), lr_rule)
+    return BudgetPlan(budget, budget.bytes, lr_rule)
+
+
+def mode_job(
+    mode: Mode, job: JobConfig, devices: list[str], plan: BudgetPlan | None
+) -> tuple[JobConfig, int, int]:
+    """The job a mode runs: its own settings over the job's, and at a memory budget the largest
+    batch per task that fits, with the learning rate scaled to it. Returns (job, batch, peak)."""
+    run_job = dataclasses.replace(job, **mode.job)
+    if plan is None:
+        return run_job, 0, 0
+    device = devices[0]
+    probe = ActivationProbe(job, bool(mode.job.get("activation_checkpointing")), device)
+    processes = len(devices) * mode.launch.get("processes_per_device", 1)
+    tasks = processes if mode.allreduce else processes * run_job.waves
+    limit = len(probe.dataset.train_x) // tasks  # a task needs a full batch of its data part
+    batch, peak = largest_batch(probe, mode.at_once(run_job), plan.budget_bytes, limit)
+    # all-reduce: launch gives each rank batch_size x waves / processes_per_device
+    per_device = mode.launch.get("processes_per_device", 1)
+    waves = per_device if mode.allreduce else run_job.waves
+    samples_per_update = batch * (processes if mode.allreduce else 1)
+    lr = scaled_lr(job, samples_per_update, plan.lr_rule)
+    optimizer = dataclasses.replace(run_job.optimizer, lr=lr)
+    return (
+        dataclasses.replace(run_job, batch_size=batch, waves=waves, optimizer=optimizer),
+        batch,
+        peak,
+    )
 
 
 def compare(
@@ -80,37 +171,63 @@ def compare(
     out: Path,
     target: float,
     settings: dict | None = None,
+    budget: BudgetPlan | None = None,
 ) -> list[ModeResult]:
     """Run ``job`` in each mode; ``settings`` are launch settings every mode shares (e.g. a
-    CUDA memory cap)."""
+    CUDA memory cap); with ``budget``, each mode at the largest batch that fits it."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in modes:
-        _, launch_kw, job_kw = MODES[name]
+        mode = MODES[name]
         run_dir = out / name
-        print(f"== {name}: {MODES[name][0]}", flush=True)
+        print(f"== {name}: {mode.description}", flush=True)
+        batch = peak = 0
         try:
+            run_job, batch, peak = mode_job(mode, job, devices, budget)
+            if budget:
+                print(
+                    f"   batch {batch} per task, lr {run_job.optimizer.lr:g}: measured device "
+                    f"peak {peak / 1e6:.2f} MB of {budget.budget_bytes / 1e6:.2f} MB",
+                    flush=True,
+                )
             config = LaunchConfig(
-                job=dataclasses.replace(job, **job_kw),
+                job=run_job,
                 devices=devices,
                 run_dir=str(run_dir),
-                **{**(settings or {}), **launch_kw},
+                **{**(settings or {}), **mode.launch},
             )
             code = launch(config, quiet=True)
             if code != 0:
                 results.append(
-                    ModeResult(name, False, error=f"launch exited with {code}; see {run_dir}/logs")
+                    ModeResult(
+                        name,
+                        False,
+                        error=f"launch exited with {code}; see {run_dir}/logs",
+                        batch=batch,
+                        predicted_peak=peak,
+                    )
                 )
                 continue
-            results.append(ModeResult(name, True, run_metrics(run_dir, target)))
+            results.append(
+                ModeResult(
+                    name,
+                    True,
+                    run_metrics(run_dir, target),
+                    batch=batch,
+                    predicted_peak=peak,
+                    lr=run_job.optimizer.lr,
+                )
+            )
             print(f"   {results[-1].metrics.one_line()}", flush=True)
+        except BudgetError as e:
+            results.append(ModeResult(name, False, error=str(e)))
         except Exception as e:  # one broken mode must not lose the others' results
             (out / f"{name}.error.txt").write_text(traceback.format_exc())
             results.append(ModeResult(name, False, error=f"{type(e).__name__}: {e}"))
-    write_report(results, out, target)
+    write_report(results, out, target, budget)
     return results
 
 
@@ -124,41 +241,114 @@ COLUMNS = [
     "wire KB / sample",
     "staleness mean / p99 per wave",
 ]
+BUDGET_COLUMNS = ["batch / task", "lr", "within budget"]
 
 
-def table_rows(results: list[ModeResult], target: float) -> list[list[str]]:
+def table_rows(
+    results: list[ModeResult], target: float, budget: BudgetPlan | None = None
+) -> list[list[str]]:
+    width = len(COLUMNS) + (len(BUDGET_COLUMNS) if budget else 0)
     rows = []
     for r in results:
         if not r.ok or r.metrics is None:
-            rows.append([r.name, "failed", r.error] + [""] * (len(COLUMNS) - 3))
+            rows.append([r.name, "failed", r.error] + [""] * (width - 3))
             continue
         m = r.metrics
         worst = max(m.peak_bytes_per_device.values(), default=0)
         ratio = m.memory_ratio
         stale = ", ".join(f"{w} {s['mean']:.2f}/{s['p99']}" for w, s in m.staleness.items())
-        rows.append(
-            [
-                r.name,
-                f"{m.samples_per_s:.0f}",
-                f"{m.time_to_target_s:.1f}" if m.time_to_target_s is not None else "not reached",
-                f"{100 * m.final_accuracy:.2f}%" if m.final_accuracy is not None else "n/a",
-                f"{worst / 1e6:.2f} MB",
-                f"{ratio:.2f}x" if ratio is not None else "n/a",
-                f"{m.wire_bytes_per_sample / 1e3:.1f}",
-                stale or "n/a (no PS)",
-            ]
-        )
+        row = [
+            r.name,
+            f"{m.samples_per_s:.0f}",
+            f"{m.time_to_target_s:.1f}" if m.time_to_target_s is not None else "not reached",
+            f"{100 * m.final_accuracy:.2f}%" if m.final_accuracy is not None else "n/a",
+            f"{worst / 1e6:.2f} MB",
+            f"{ratio:.2f}x" if ratio is not None else "n/a",
+            f"{m.wire_bytes_per_sample / 1e3:.1f}",
+            stale or "n/a (no PS)",
+        ]
+        if budget:
+            within = "yes" if worst <= budget.budget_bytes else "**no: exceeded**"
+            row += [str(r.batch), f"{r.lr:g}", within]
+        rows.append(row)
     return rows
 
 
-def format_table(results: list[ModeResult], target: float) -> str:
+def format_table(results: list[ModeResult], target: float, budget: BudgetPlan | None = None) -> str:
     header = [c.format(target=f"{100 * target:g}%") for c in COLUMNS]
+    header += BUDGET_COLUMNS if budget else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results, target)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results, target, budget)]
     return "\n".join(lines)
 
 
-def write_report(results: list[ModeResult], out: Path, target: float) -> None:
+def _why(name: str, m: RunMetrics) -> str:
+    """Where a mode's step time goes, from its records (means per step and wave or rank)."""
+    t = m.step_means
+    if not t:
+        return ""
+    parts = [f"{k.removesuffix('_s').replace('_', ' ')} {1000 * v:.1f} ms" for k, v in t.items()]
+    return f"`{name}` per step: " + ", ".join(parts)
+
+
+def verdict(results: list[ModeResult], target: float, budget: BudgetPlan | None) -> list[str]:
+    """The report's first lines: who won on throughput and on time to accuracy, by how much,
+    and why, in words, from the records."""
+    ok = [r for r in results if r.ok and r.metrics]
+    if not ok:
+        return ["No mode finished."]
+    lines = []
+    at = f" at {budget.budget.describe()} ({budget.budget_bytes / 1e6:.2f} MB) of activations per "
+    at = at + "device" if budget else ""
+    fast = sorted(ok, key=lambda r: -r.metrics.samples_per_s)
+    best = fast[0]
+    if len(fast) > 1:
+        second = fast[1]
+        lines.append(
+            f"Throughput{at}: `{best.name}` won with {best.metrics.samples_per_s:.0f} samples/s, "
+            f"{best.metrics.samples_per_s / max(second.metrics.samples_per_s, 1e-9):.2f}x "
+            f"`{second.name}` ({second.metrics.samples_per_s:.0f})."
+        )
+    reached = sorted(
+        (r for r in ok if r.metrics.time_to_target_s is not None),
+        key=lambda r: r.metrics.time_to_target_s,
+    )
+    if reached:
+        first = reached[0]
+        line = (
+            f"Time to {100 * target:g}%: `{first.name}` first, after "
+            f"{first.metrics.time_to_target_s:.1f} s"
+        )
+        if len(reached) > 1:
+            line += (
+                f"; `{reached[1].name}` after {reached[1].metrics.time_to_target_s:.1f} s "
+                f"({reached[1].metrics.time_to_target_s / first.metrics.time_to_target_s:.2f}x)"
+            )
+        missed = [r.name for r in ok if r.metrics.time_to_target_s is None]
+        lines.append(line + (f"; not reached by {', '.join(missed)}." if missed else "."))
+    else:
+        lines.append(f"No mode reached {100 * target:g}% test accuracy.")
+    by_name = {r.name: r for r in ok}
+    allreduce = [r for r in ok if MODES[r.name].allreduce]
+    if "ticktock" in by_name and allreduce:
+        rival = max(allreduce, key=lambda r: r.metrics.samples_per_s)
+        tt = by_name["ticktock"]
+        lines.append(
+            f"Tick-tock against the best all-reduce variant (`{rival.name}`): "
+            f"{tt.metrics.samples_per_s / max(rival.metrics.samples_per_s, 1e-9):.2f}x its "
+            "samples/s."
+        )
+    why = [_why(r.name, r.metrics) for r in fast[:3]]
+    lines += ["Why: " + "; ".join(w for w in why if w) + "."] if any(why) else []
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        lines.append(f"`{r.name}` did not run: {r.error}")
+    return lines
+
+
+def write_report(
+    results: list[ModeResult], out: Path, target: float, budget: BudgetPlan | None = None
+) -> None:
     ok = {r.name: r.metrics for r in results if r.ok and r.metrics}
     accuracy_vs_time(ok, out / "accuracy.png", target)
     memory_timelines(
@@ -166,13 +356,32 @@ def write_report(results: list[ModeResult], out: Path, target: float) -> None:
     )
     (out / "metrics.json").write_text(
         json.dumps(
-            {r.name: (r.metrics.to_json() if r.metrics else {"error": r.error}) for r in results},
+            {
+                r.name: (
+                    {**r.metrics.to_json(), "batch": r.batch, "lr": r.lr}
+                    if r.metrics
+                    else {"error": r.error}
+                )
+                for r in results
+            },
             indent=1,
         )
     )
-    modes = "\n".join(f"- `{r.name}`: {MODES[r.name][0]}" for r in results)
+    modes = "\n".join(f"- `{r.name}`: {MODES[r.name].description}" for r in results)
+    budget_note = ""
+    if budget:
+        budget_note = (
+            f"Memory budget: {budget.budget.describe()}, {budget.budget_bytes / 1e6:.2f} MB of "
+            "saved activations per device. Each mode ran at the largest batch per task (wave or "
+            "rank) whose device peak, measured by probe forwards times the tasks a device holds "
+            "at once, fits it; the learning rate follows the samples per update "
+            f"({budget.lr_rule} scaling, scripts/budget.py). *within budget* compares the peak "
+            "the run really reached with the budget.\n\n"
+        )
     (out / "report.md").write_text(
-        f"# wavelet compare\n\n{format_table(results, target)}\n\n{modes}\n\n"
+        "# wavelet compare\n\n"
+        + "\n".join(verdict(results, target, budget))
+        + f"\n\n{format_table(results, target, budget)}\n\n{modes}\n\n{budget_note}"
         "Peak activations: saved-activation bytes of all waves (or ranks) of a device summed on "
         "one clock; *vs one wave*: that peak over the largest single wave's peak. Wire bytes: "
         "tensor bytes put on the network per training sample (PS: push and pull; all-reduce: "

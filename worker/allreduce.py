@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from wavelet.common.config import ConfigError, WorkerConfig
 from wavelet.common.job import build_dataset_and_model
+from wavelet.common.models import checkpoint_blocks
 from wavelet.common.protocol import wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
@@ -70,6 +71,8 @@ class AllReduceWorker:
         records = RecordWriter(Path(cfg.run_dir) / "records" / f"worker-{rank}-wave-0.jsonl")
         metrics, endpoint = serve_worker_metrics(cfg, rank)
         dataset, model = build_dataset_and_model(job, device)
+        if job.activation_checkpointing:
+            checkpoint_blocks(model)
         ddp = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )

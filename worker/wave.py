@@ -20,7 +20,7 @@ import zmq
 
 from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import Dataset
-from wavelet.common.models import build_model
+from wavelet.common.models import build_model, checkpoint_blocks
 from wavelet.common.protocol import ShardError, wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
@@ -98,6 +98,8 @@ class Wave:
             job.seed,
             **job.model_kwargs,
         ).to(self.device)
+        if job.activation_checkpointing:
+            checkpoint_blocks(model)
         part = self.dataset.part(ident.global_index, ident.total, job.seed)
         steps = part.steps_per_epoch(job.batch_size)
         if steps == 0:

@@ -1,0 +1,141 @@
+"""Equal-memory comparison: the budget search, activation checkpointing that keeps the math, and a
+tiny compare at a budget with a complete report."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import run_wavelet
+from torch.nn.parallel import DistributedDataParallel
+
+from wavelet.common.config import ConfigError, JobConfig
+from wavelet.common.models import build_model, checkpoint_blocks
+from wavelet.scripts.budget import (
+    ActivationProbe,
+    BudgetError,
+    largest_batch,
+    parse_budget,
+    scaled_lr,
+)
+
+
+def test_budgets_parse_with_units_or_as_a_multiple():
+    assert parse_budget("3MB").bytes == 3_000_000
+    assert parse_budget("1.5GiB").bytes == int(1.5 * (1 << 30))
+    assert parse_budget("200mib").bytes == 200 << 20
+    assert parse_budget("1.3x").relative == 1.3
+    for bad in ("", "lots", "-2MB", "0x", "3 parsecs"):
+        with pytest.raises(ConfigError):
+            parse_budget(bad)
+
+
+def test_budget_search_picks_the_largest_batch_that_fits():
+    job = JobConfig()
+    probe = ActivationProbe(job, checkpointing=False)
+    budget = int(1.3 * probe.peak(32))
+    batch, peak = largest_batch(probe, 1.3, budget, limit=800)
+    assert peak == int(1.3 * probe.peak(batch)) <= budget
+    assert int(1.3 * probe.peak(batch + 1)) > budget  # one more sample would not fit
+    assert batch == 32  # the budget was made from batch 32's measured peak
+    # two tasks at once fit about half the batch; a limit caps it
+    half, _ = largest_batch(probe, 2.0, budget, limit=800)
+    assert 12 <= half < batch
+    assert largest_batch(probe, 1.0, 10**12, limit=50)[0] == 50
+    with pytest.raises(BudgetError, match="even batch 1"):
+        largest_batch(probe, 1.0, 1000, limit=800)
+
+
+def test_checkpointing_fits_a_larger_batch_in_the_same_budget():
+    job = JobConfig(model="resnet18", dataset="patterns", model_kwargs={"width": 8})
+    plain = ActivationProbe(job, checkpointing=False)
+    ckpt = ActivationProbe(job, checkpointing=True)
+    budget = plain.peak(16)
+    assert largest_batch(ckpt, 1.0, budget, limit=512)[0] > 2 * 16
+
+
+def test_learning_rate_follows_the_samples_per_update():
+    job = JobConfig()  # batch 32, lr 0.05
+    assert scaled_lr(job, 64, "linear") == pytest.approx(0.1)
+    assert scaled_lr(job, 64, "none") == pytest.approx(0.05)
+
+
+@pytest.fixture
+def gloo_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "name,shape,kwargs",
+    [("digits_cnn", (1, 8, 8), {}), ("resnet18", (3, 16, 16), {"width": 8})],
+)
+def test_checkpointed_ddp_gives_the_gradients_of_plain_ddp(gloo_group, name, shape, kwargs):
+    x = torch.randn(12, *shape, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (12,), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for checkpointed in (False, True):
+        model = build_model(name, shape, 10, seed=0, **kwargs)
+        if checkpointed:
+            assert checkpoint_blocks(model) > 0
+        ddp = DistributedDataParallel(model)
+        F.cross_entropy(ddp(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, ckpt in zip(*grads, strict=True):
+        torch.testing.assert_close(ckpt, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_tiny_equal_memory_compare_writes_a_complete_report(tmp_path):
+    out = tmp_path / "cmp"
+    done = run_wavelet(
+        "compare",
+        "--memory-budget",
+        "1.3x",
+        "--epochs",
+        "1",
+        "--target-acc",
+        "0.5",
+        "--modes",
+        "ticktock,allreduce,allreduce-ckpt",
+        "--out",
+        str(out),
+        timeout=230,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    lines = report.splitlines()
+    assert lines[2].startswith("Throughput at 1.3x one wave's peak")
+    assert any(line.startswith("Time to 50%") for line in lines[:6])
+    assert "Tick-tock against the best all-reduce variant" in report
+    assert "Why: `" in report
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
+    for mode in ("ticktock", "allreduce", "allreduce-ckpt"):
+        cells = [c.strip() for c in rows[mode].split("|")[1:-1]]
+        assert cells[-1] == "yes", rows[mode]  # the run stayed within the budget
+        assert int(cells[-3]) >= 1  # the batch the search chose
+    batches = {m: int(rows[m].split("|")[-4]) for m in ("ticktock", "allreduce", "allreduce-ckpt")}
+    assert batches["allreduce-ckpt"] > batches["allreduce"] >= batches["ticktock"]
+
+
+def test_a_budget_too_small_for_batch_1_says_so(tmp_path):
+    done = run_wavelet(
+        "compare",
+        "--memory-budget",
+        "10KB",
+        "--epochs",
+        "1",
+        "--modes",
+        "ticktock,allreduce",
+        "--out",
+        str(tmp_path / "cmp"),
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "even batch 1 needs" in (tmp_path / "cmp" / "report.md").read_text()
