@@ -2,15 +2,27 @@
 # The comparisons quoted in README.md and docs/design.md, rerunnable: tick-tock against one wave,
 # two waves started together, bulk-synchronous and all-reduce (wavelet compare), and staleness
 # sweeps with and without a straggler (wavelet tune). Reports land in runs/bench/*/report.md.
-# About 40 minutes on a 2-core machine; run nothing else meanwhile. `bash benchmarks/bench_modes.sh
-# compare` or `... tune` runs one half.
+# About an hour on a 2-core machine; run nothing else meanwhile. `bash benchmarks/bench_modes.sh
+# compare`, `... tune` or `... budget` (equal-memory tables, about 25 minutes) runs one part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=${WAVELET:-.venv/bin/wavelet}
 OUT=${OUT:-runs/bench}
 mkdir -p "$OUT"
 RESNET=(--config configs/resnet18_synthetic.toml --epochs 0 --max-seconds 60 --target-acc 0.3)
-PART=${1:-all}  # all | compare | tune
+PART=${1:-all}  # all | compare | tune | budget
+NARROW=(--config configs/narrow_resnet.toml --max-seconds 45 --target-acc 0.6)
+
+if [ "$PART" = budget ] || [ "$PART" = all ]; then
+# Equal memory: every mode at the largest batch whose activations fit 1.3x one wave's peak,
+# on one CPU device and on two (two worker processes or ranks, one core each).
+for devices in cpu cpu,cpu; do
+    $W compare --memory-budget 1.3x --devices $devices --out "$OUT/budget-digits-$devices"
+    $W compare "${NARROW[@]}" --memory-budget 1.3x --devices $devices \
+        --out "$OUT/budget-narrow-resnet-$devices"
+done
+fi
+[ "$PART" = budget ] && exit 0
 
 if [ "$PART" != tune ]; then
 $W compare --out "$OUT/compare-digits"

@@ -298,8 +298,12 @@ def verdict(results: list[ModeResult], target: float, budget: BudgetPlan | None)
     if not ok:
         return ["No mode finished."]
     lines = []
-    at = f" at {budget.budget.describe()} ({budget.budget_bytes / 1e6:.2f} MB) of activations per "
-    at = at + "device" if budget else ""
+    at = ""
+    if budget:
+        at = (
+            f" at {budget.budget.describe()} ({budget.budget_bytes / 1e6:.2f} MB) of activations "
+            "per device"
+        )
     fast = sorted(ok, key=lambda r: -r.metrics.samples_per_s)
     best = fast[0]
     if len(fast) > 1:

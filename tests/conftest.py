@@ -37,6 +37,15 @@ def run_wavelet(*args: str, timeout: float, cwd=None) -> subprocess.CompletedPro
     )
 
 
+def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.1) -> None:
+    """Poll ``predicate`` until it holds; TimeoutError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(every_s)
+
+
 def _children_of(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():

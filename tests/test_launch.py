@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import kill_tree, run_wavelet, started, wavelet_cmd
+from conftest import kill_tree, run_wavelet, started, wait_for, wavelet_cmd
 
 from wavelet.common import shm
 from wavelet.common.records import last_record, read_records
@@ -29,16 +29,19 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.1)
+def _one_process(run_dir: Path, marker: bytes) -> int:
+    """The pid of the job's one process whose command line holds ``marker``."""
+    found = [
+        p
+        for p in _processes_mentioning(str(run_dir))
+        if marker in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+    assert len(found) == 1, found
+    return found[0]
 
 
 def _assert_nothing_left(run_dir: Path):
-    _wait_for(lambda: not _processes_mentioning(str(run_dir)), 15, "daemons left behind")
+    wait_for(lambda: not _processes_mentioning(str(run_dir)), 15, "daemons left behind")
     left = list(shm.SHM_DIR.glob(shm.run_prefix(run_dir) + "*"))
     assert not left, f"shared-memory segments left behind: {left}"
 
@@ -70,7 +73,7 @@ def _start_launcher(tmp_path, *extra):
     )
     proc = cm.__enter__()
     step_file = run_dir / "records" / "worker-0-wave-1.jsonl"
-    _wait_for(
+    wait_for(
         lambda: step_file.exists() and step_file.stat().st_size > 2000, 90, "training did not start"
     )
     return cm, proc, run_dir
@@ -92,13 +95,7 @@ def test_ctrl_c_tears_the_job_down(tmp_path):
 def test_a_dying_child_stops_the_job_and_is_reported(tmp_path):
     cm, proc, run_dir = _start_launcher(tmp_path)
     try:
-        worker = [
-            p
-            for p in _processes_mentioning(str(run_dir))
-            if b"worker" in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
-        assert len(worker) == 1
-        os.kill(worker[0], signal.SIGKILL)
+        os.kill(_one_process(run_dir, b"worker"), signal.SIGKILL)
         assert proc.wait(30) == 1
         log = (tmp_path / "launch.log").read_text()
         assert "worker-0 exited with status -9" in log
@@ -118,7 +115,7 @@ def test_daemons_stop_cleanly_on_signals(tmp_path, shard_daemons, sig):
         cmd += ["--shard", a]
     with started(cmd, tmp_path / "worker.log") as worker:
         step_file = tmp_path / "run" / "records" / "worker-0-wave-0.jsonl"
-        _wait_for(
+        wait_for(
             lambda: step_file.exists() and step_file.stat().st_size > 2000,
             60,
             "worker did not train",
@@ -144,7 +141,7 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     proc = cm.__enter__()
     try:
         records = run_dir / "records" / "worker-0-wave-0.jsonl"
-        _wait_for(
+        wait_for(
             lambda: records.exists() and records.stat().st_size > 150_000,
             90,
             "training did not start",
@@ -175,15 +172,9 @@ def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp
     cm, proc, run_dir = _start_launcher(tmp_path, "--epochs", "40", "--checkpoint-every", "60")
     try:
         checkpoint = run_dir / "checkpoints" / "shard-0.pt"
-        _wait_for(checkpoint.exists, 90, "no checkpoint was written")
+        wait_for(checkpoint.exists, 90, "no checkpoint was written")
         time.sleep(1.0)  # some updates after it
-        shard = [
-            p
-            for p in _processes_mentioning(str(run_dir))
-            if b"--shard-index\x000" in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
-        assert len(shard) == 1
-        os.kill(shard[0], signal.SIGKILL)
+        os.kill(_one_process(run_dir, b"--shard-index\x000"), signal.SIGKILL)
         assert proc.wait(30) == 1
         log = (tmp_path / "launch.log").read_text()
         assert "ps-0 exited with status -9" in log

@@ -6,7 +6,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import run_wavelet, started, wavelet_cmd
+from conftest import run_wavelet, started, wait_for, wavelet_cmd
 from prometheus_client.parser import text_string_to_metric_families
 
 from wavelet.common.protocol import Op
@@ -24,14 +24,6 @@ def _scrape(url: str) -> dict[str, dict[tuple, float]]:
     return out
 
 
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
@@ -39,12 +31,12 @@ def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
     cmd = wavelet_cmd("launch", "--run-dir", str(run_dir), "--epochs", "60", "--metrics-port", "0")
     with started(cmd, tmp_path / "launch.log") as launcher:
         urls = run_dir / "metrics"
-        _wait_for(lambda: len(list(urls.glob("*.url"))) == 3, 60, "daemons did not serve metrics")
+        wait_for(lambda: len(list(urls.glob("*.url"))) == 3, 60, "daemons did not serve metrics")
         shard_url = (urls / "ps-0.url").read_text().strip()
         worker_url = (urls / "worker-0.url").read_text().strip()
         assert shard_url.startswith("http://127.0.0.1:")  # binds like the shard: loopback
         address = (run_dir / "ps-0.addr").read_text().strip()
-        _wait_for(lambda: _scrape(shard_url).get("wavelet_shard_pushes_total"), 60, "no pushes yet")
+        wait_for(lambda: _scrape(shard_url).get("wavelet_shard_pushes_total"), 60, "no pushes yet")
         before = call_shard(address, Op.STATS).body["waves"]
         first = _scrape(shard_url)
         after = call_shard(address, Op.STATS).body["waves"]
