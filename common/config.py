@@ -466,6 +466,11 @@ class LaunchConfig:
         help="cap each device's CUDA memory at this many GiB, split among its processes, so a "
         "large card behaves like a smaller one (0: no cap)",
     )
+    max_restarts: int = setting(
+        0,
+        help="restart a shard or worker that dies, up to N times in all (shards from their "
+        "last checkpoint, workers from the shards' clocks); then stop the job",
+    )
     metrics_port: int = setting(
         -1,
         help="every daemon serves Prometheus metrics: shard i on BASE+i, worker r on "
@@ -476,6 +481,7 @@ class LaunchConfig:
         check_settings(self)
         _non_negative("cuda_memory_gib", self.cuda_memory_gib)
         _check_metrics_port(self.metrics_port)
+        _non_negative("max_restarts", self.max_restarts)
         if not self.devices:
             raise ConfigError("devices is empty: name at least one device, e.g. cpu or cuda:0")
         for d in self.devices:

@@ -1,5 +1,5 @@
-"""The ``wavelet`` command: ``launch``, ``ps``, ``worker``, ``compare``, ``tune``, ``stats``,
-``admin`` and ``keys``.
+"""The ``wavelet`` command: ``launch``, ``ps``, ``worker``, ``run`` (under torchrun), ``compare``,
+``tune``, ``stats``, ``admin`` and ``keys``.
 
 Every subcommand that runs training reads a job from ``--config FILE`` (TOML or JSON), then applies
 the job flags (``--epochs 5``, ``--staleness inf``, ...) and ``--set key=value`` overrides.
@@ -256,6 +256,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return daemon.run()
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from wavelet.scripts.run import run
+
+    return run(job_from_args(args), args.shards_per_node, args.mode, args.run_dir or "", args)
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from wavelet.scripts.budget import parse_budget
     from wavelet.scripts.compare import (
@@ -356,8 +362,16 @@ def _cmd_admin(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from wavelet.common.security import generate_keys
+    from wavelet.common.security import JobKeys, generate_keys
 
+    if args.job:
+        from wavelet.scripts.run import CURVE_CLIENT
+
+        keys = JobKeys.create(Path(args.job), [CURVE_CLIENT])
+        print(f"job keys in {keys.folder}: wavelet run --curve-keys {keys.folder}")
+        return 0
+    if not args.names:
+        raise ConfigError("name the key pairs to make (e.g. server worker0), or give --job DIR")
     for name in args.names:
         public, secret = generate_keys(args.out, name)
         print(f"{name}: public {public}, secret {secret}")
@@ -451,6 +465,46 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(worker, WorkerConfig)
     worker.set_defaults(run=_cmd_worker)
 
+    run = sub.add_parser(
+        "run",
+        help="one process of a job started by torchrun: its role (shard or worker) from "
+        "torchrun's environment, the same command on every node",
+    )
+    _add_job_flags(run)
+    run.add_argument(
+        "--shards-per-node",
+        type=_number(int),
+        default=1,
+        help="the first K local ranks of each node serve shards, the others are workers "
+        "(default 1)",
+    )
+    run.add_argument(
+        "--mode",
+        choices=["ps", "allreduce"],
+        default="ps",
+        help="ps: shards and tick-tock workers; allreduce: every process a DDP rank (default ps)",
+    )
+    run.add_argument(
+        "--run-dir", help="where records go on each node (default runs/torchrun-<rdzv id>)"
+    )
+    run.add_argument(
+        "--curve-keys",
+        default="",
+        metavar="DIR",
+        help="CURVE keys every node can read (wavelet keys --job DIR): encrypt and authenticate "
+        "all of the job's PS traffic",
+    )
+    add_config_flags(
+        run,
+        LaunchConfig,
+        skip=tuple(
+            f.name
+            for f in dataclasses.fields(LaunchConfig)
+            if f.name not in ("checkpoint_every", "checkpoint_every_s", "insecure", "transport")
+        ),
+    )
+    run.set_defaults(run=_cmd_run)
+
     comp = sub.add_parser("compare", help="run one job in several modes and compare them")
     _add_job_flags(comp)
     comp.add_argument(
@@ -531,7 +585,13 @@ def build_parser() -> argparse.ArgumentParser:
     admin.set_defaults(run=_cmd_admin)
 
     keys = sub.add_parser("keys", help="make CURVE key pairs (NAME.key, NAME.key_secret)")
-    keys.add_argument("names", nargs="+", metavar="NAME", help="e.g. server worker0 worker1")
+    keys.add_argument("names", nargs="*", metavar="NAME", help="e.g. server worker0 worker1")
+    keys.add_argument(
+        "--job",
+        metavar="DIR",
+        help="make a torchrun job's keys in DIR (the shards' pair, one client pair for the "
+        "workers, the authorized folder), for wavelet run --curve-keys DIR",
+    )
     keys.add_argument("--out", default="keys", help="folder for the key files (default keys/)")
     keys.set_defaults(run=_cmd_keys)
     return p

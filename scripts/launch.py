@@ -42,6 +42,9 @@ class Child:
     name: str
     proc: subprocess.Popen
     log: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    address: str = ""  # a shard's bound address: a restarted shard binds it again
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -75,23 +78,53 @@ class Job:
     keys: JobKeys | None = None
     admin_token: str = ""
     children: list[Child] = field(default_factory=list)
+    restarts: int = 0
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         log = self.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
+        child = Child(name, self._popen(args, env or {}, log, "wb"), log, args, env or {})
+        self.children.append(child)
+        return child
+
+    def _popen(self, args: list[str], env: dict[str, str], log: Path, mode: str):
+        with open(log, mode) as out:
+            return subprocess.Popen(
                 [sys.executable, "-m", "wavelet.scripts.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
             )
-        child = Child(name, proc, log)
-        self.children.append(child)
-        return child
+
+    def supervise(self, allow_exit: tuple[Child, ...] = (), say=print) -> None:
+        """Restart a child that died, up to ``max_restarts`` in all; else raise ChildFailed."""
+        for c in self.children:
+            code = c.proc.poll()
+            if code is None or (code == 0 and c in allow_exit):
+                continue
+            if self.restarts >= self.config.max_restarts:
+                self.check(allow_exit)
+            self.restart(c, code, say)
+
+    def restart(self, child: Child, code: int, say=print) -> None:
+        """Start a dead child again: a shard on the address it had (it restores its last
+        checkpoint and the waves re-join it), a worker with --resume (from the shards' clocks)."""
+        self.restarts += 1
+        args = list(child.args)
+        if child.address:
+            args[args.index("--bind") + 1] = child.address
+        elif "--resume" not in args:
+            args.append("--resume")
+        say(
+            f"{child.name} exited with status {code}: restarting it "
+            f"({self.restarts}/{self.config.max_restarts} restarts)"
+        )
+        with open(child.log, "ab") as out:
+            out.write(f"\n--- restart {self.restarts} after status {code} ---\n".encode())
+        child.proc = self._popen(args, child.env, child.log, "ab")
 
     def check(self, allow_exit: tuple[Child, ...] = ()) -> None:
         for c in self.children:
@@ -180,14 +213,15 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
             _say(quiet, "metrics: " + ", ".join(metrics_urls(run_dir, expected)))
         board = RunBoard(run_dir / "tensorboard")
         progress = Progress(run_dir, job_cfg.epochs, since=time.time(), board=board)
-        while any(w.proc.poll() is None for w in workers):
-            job.check(allow_exit=tuple(workers))
+        say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
+        while True:
+            job.supervise(allow_exit=tuple(workers), say=say)
+            if all(w.proc.poll() == 0 for w in workers):
+                break
             time.sleep(0.25)
             if progress.due():
                 progress.read()  # also writes the TensorBoard scalars as training goes
-                if not quiet:
-                    print(progress.line(time.monotonic() - started), flush=True)
-        job.check(allow_exit=tuple(workers))
+                say(progress.line(time.monotonic() - started))
         summary = _finish(job, job_cfg, addresses, progress)
         _say(quiet, "\n" + format_summary(summary))
         return 0
@@ -270,7 +304,9 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:
             args.append("--insecure")
         args += ["--metrics-port", str(_metrics_port(job.config, i))]
         shards.append((job.spawn(f"ps-{i}", args), ready))
-    return [_wait_ready(job, child, ready) for child, ready in shards]
+    for child, ready in shards:
+        child.address = _wait_ready(job, child, ready)
+    return [child.address for child, _ in shards]
 
 
 def _worker_processes(job: Job) -> list[tuple[int, str, int]]:
@@ -387,22 +423,38 @@ def _wait_ready(job: Job, child: Child, ready: Path) -> str:
 
 
 def _finish(job: Job, job_cfg: JobConfig, addresses: list[str], progress: Progress) -> dict:
+    keys = job.keys.client("launcher") if job.keys else None
+    return summarize(
+        job.run_dir, job.config.mode, job_cfg, addresses, progress, keys, job.admin_token
+    )
+
+
+def summarize(
+    run_dir: Path,
+    mode: str,
+    job_cfg: JobConfig,
+    addresses: list[str],
+    progress: Progress,
+    keys=None,
+    admin_token: str = "",
+) -> dict:
+    """The end of a job: with shards, test their weights, fetch their statistics and stop them;
+    then write and return summary.json (accuracy, samples/s, lost updates, staleness per wave)."""
     progress.read()
     if addresses:
-        keys = job.keys.client("launcher") if job.keys else None
         accuracy = evaluate_shards(addresses, job_cfg, keys=keys)
         stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
         for a in addresses:
-            call_shard(a, Op.SHUTDOWN, keys=keys, body={"token": job.admin_token})
-        staleness_histograms(push_staleness(job.run_dir), job.run_dir / "staleness.png")
+            call_shard(a, Op.SHUTDOWN, keys=keys, body={"token": admin_token})
+        staleness_histograms(push_staleness(run_dir), run_dir / "staleness.png")
     else:
         accuracy = progress.final_accuracy
         stats = {}
     if progress.board is not None and accuracy is not None:
         progress.board.final(accuracy)
     summary = {
-        "run_dir": str(job.run_dir),
-        "mode": job.config.mode,
+        "run_dir": str(run_dir),
+        "mode": mode,
         "test_accuracy": accuracy,
         "samples": progress.samples,
         "train_seconds": progress.elapsed(),
@@ -410,7 +462,7 @@ def _finish(job: Job, job_cfg: JobConfig, addresses: list[str], progress: Progre
         "lost_updates": progress.lost_updates,
         "waves": stats,
     }
-    (job.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 

@@ -197,3 +197,26 @@ def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp
 def test_progress_shows_a_dash_until_there_is_a_number(tmp_path):
     line = Progress(tmp_path, epochs=15).line(0.0)
     assert "loss -  - samples/s" in line and "nan" not in line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_launch_restarts_a_killed_shard_and_the_job_finishes(tmp_path):
+    cm, proc, run_dir = _start_launcher(
+        tmp_path, "--epochs", "30", "--checkpoint-every", "60", "--max-restarts", "1"
+    )
+    try:
+        checkpoint = run_dir / "checkpoints" / "shard-0.pt"
+        wait_for(checkpoint.exists, 90, "no checkpoint was written")
+        time.sleep(1.0)  # some updates after it
+        os.kill(_one_process(run_dir, b"--shard-index\x000"), signal.SIGKILL)
+        assert proc.wait(200) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    finally:
+        cm.__exit__(None, None, None)
+    log = (tmp_path / "launch.log").read_text()
+    assert "ps-0 exited with status -9: restarting it (1/1 restarts)" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.97, summary
+    assert summary["lost_updates"] > 0  # what the shard applied after its checkpoint
+    assert "restored version" in (run_dir / "logs" / "ps-0.log").read_text()
+    _assert_nothing_left(run_dir)

@@ -2,6 +2,7 @@
 link-local addresses): the link is cut for a few seconds and restored, and the job continues.
 Needs root and `ip netns`; skipped otherwise. No traffic leaves the two namespaces."""
 
+import json
 import os
 import shutil
 import signal
@@ -11,7 +12,7 @@ import time
 import uuid
 
 import pytest
-from conftest import CHILD_ENV
+from conftest import CHILD_ENV, run_wavelet
 
 from wavelet.common.records import read_records
 
@@ -116,3 +117,53 @@ def test_job_survives_a_cut_link(two_hosts, tmp_path):
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_nodes_under_torchrun_train_the_default_job(two_hosts, tmp_path):
+    """Two "nodes" (the namespaces), each running the same torchrun command with the c10d
+    rendezvous: one shard and one worker each, shards on the node's own address, over TCP with
+    CURVE keys from a folder both read."""
+    ps_ns, wk_ns, _ = two_hosts
+    keys = tmp_path / "keys"
+    made = run_wavelet("keys", "--job", str(keys), timeout=60)
+    assert made.returncode == 0, made.stderr
+    # node a hosts the rendezvous store (its address is not the machine's host name's)
+    nodes = ((ps_ns, PS_ADDR, "a", "true"), (wk_ns, WK_ADDR, "b", "false"))
+    procs = []
+    try:
+        for ns, addr, name, host in nodes:
+            cmd = [
+                "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{PS_ADDR}:29400", "--rdzv-id", "netns-test",
+                "--local-addr", addr, "--rdzv-conf", f"is_host={host}",
+                "-m", "wavelet.scripts.cli", "run", "--shards-per-node", "1",
+                "--curve-keys", str(keys), "--transport", "tcp", "--run-dir", str(tmp_path / name),
+            ]  # fmt: skip
+            log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+            procs.append(
+                (
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=CHILD_ENV,
+                        start_new_session=True,
+                    ),
+                    log,
+                )
+            )
+        for (proc, _log), (_, _, name, _) in zip(procs, nodes, strict=True):
+            assert proc.wait(200) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+        assert summary["test_accuracy"] >= 0.97, summary
+        assert set(summary["waves"]) == {"w0/0", "w0/1", "w1/0", "w1/1"}
+        assert all(w["transport"] == "tcp" for w in summary["waves"].values())
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            log.close()

@@ -1,0 +1,335 @@
+"""``wavelet run``: one process of a job started by torchrun, its role taken from torchrun's
+environment, so the same command runs on every node (directly, under SLURM or Kubernetes).
+
+PS mode: on each node the first ``--shards-per-node`` local ranks serve shards, the others are
+workers (``cuda:<local rank - K>`` where CUDA is present, else ``cpu``). The job's shard count is
+nodes x K and its waves follow from the world. Shards publish their addresses through a
+key-value store of torch.distributed (a ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT``, served by
+global rank 0), and workers read them there: no files, no typed lists. Global worker 0 shows the
+progress, and when every worker is done it tests the shards' weights, prints the summary, writes
+``summary.json`` and stops the shards. All-reduce mode: every process is a DDP rank (env://).
+
+Restarts: under ``torchrun --max-restarts N`` a failed process makes torchrun restart the group;
+``TORCHELASTIC_RESTART_COUNT > 0`` means resume: shards restore their checkpoints (same run dir)
+and workers go on from their clocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+from wavelet.common.config import ConfigError, JobConfig, PSConfig, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 300.0
+CURVE_CLIENT = "worker"  # the client key every worker of a torchrun job uses (wavelet keys --job)
+
+
+def _job_keys(options):
+    """The job's CURVE keys (``--curve-keys DIR``, made by ``wavelet keys --job DIR``)."""
+    if not getattr(options, "curve_keys", ""):
+        return None
+    from wavelet.common.security import JobKeys
+
+    keys = JobKeys(Path(options.curve_keys))
+    for path in (keys.server_secret, keys.server_public, keys.client_secret(CURVE_CLIENT)):
+        if not path.exists():
+            raise ConfigError(
+                f"{path} is missing: make the job's keys with wavelet keys --job "
+                f"{options.curve_keys}, in a folder every node can read"
+            )
+    return keys
+
+
+@dataclass(frozen=True)
+class Role:
+    """Where this process stands in the torchrun world."""
+
+    rank: int
+    local_rank: int
+    world: int
+    local_world: int
+    node: int
+    restart: int
+    master_addr: str
+    master_port: int
+    run_id: str
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.local_world
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> Role:
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        names += ("MASTER_ADDR", "MASTER_PORT")
+        missing = [n for n in names if n not in env]
+        if missing:
+            raise ConfigError(
+                f"wavelet run is one process of a torchrun job, but {', '.join(missing)} "
+                "is not set; start it with torchrun (see README: Several machines)"
+            )
+        try:
+            role = cls(
+                rank=int(env["RANK"]),
+                local_rank=int(env["LOCAL_RANK"]),
+                world=int(env["WORLD_SIZE"]),
+                local_world=int(env["LOCAL_WORLD_SIZE"]),
+                node=int(env.get("GROUP_RANK", 0)),
+                restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                master_addr=env["MASTER_ADDR"],
+                master_port=int(env["MASTER_PORT"]),
+                run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
+            )
+        except ValueError as e:
+            raise ConfigError(f"torchrun's environment is malformed: {e}") from None
+        if role.world % role.local_world:
+            raise ConfigError(
+                f"WORLD_SIZE {role.world} is not a multiple of LOCAL_WORLD_SIZE "
+                f"{role.local_world}: wavelet run needs the same --nproc-per-node on every node"
+            )
+        return role
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's shape, from the world and --shards-per-node."""
+
+    shards_per_node: int
+    workers_per_node: int
+    nodes: int
+
+    @property
+    def shards(self) -> int:
+        return self.nodes * self.shards_per_node
+
+    @property
+    def workers(self) -> int:
+        return self.nodes * self.workers_per_node
+
+    def shard_index(self, role: Role) -> int | None:
+        if role.local_rank < self.shards_per_node:
+            return role.node * self.shards_per_node + role.local_rank
+        return None
+
+    def worker_rank(self, role: Role) -> int:
+        return role.node * self.workers_per_node + role.local_rank - self.shards_per_node
+
+
+def layout_for(role: Role, shards_per_node: int) -> Layout:
+    if not 1 <= shards_per_node < role.local_world:
+        raise ConfigError(
+            f"--shards-per-node {shards_per_node} leaves no worker among --nproc-per-node "
+            f"{role.local_world}: use 1 to {role.local_world - 1}"
+        )
+    return Layout(shards_per_node, role.local_world - shards_per_node, role.nodes)
+
+
+def reachable_host(role: Role) -> str:
+    """The address shards bind: WAVELET_HOST if set; loopback on a single node; else the address
+    of the interface that routes to MASTER_ADDR (a UDP connect sends nothing)."""
+    if os.environ.get("WAVELET_HOST"):
+        return os.environ["WAVELET_HOST"]
+    if role.nodes == 1:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((role.master_addr, role.master_port))
+        return s.getsockname()[0]
+
+
+def open_store(role: Role):
+    """The job's key-value store on MASTER_ADDR:MASTER_PORT: torchrun's own agent store where it
+    shares it (TORCHELASTIC_USE_AGENT_STORE), else one that global rank 0 serves."""
+    import torch.distributed as dist
+
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return dist.TCPStore(
+        role.master_addr,
+        role.master_port,
+        role.world,
+        is_master=role.rank == 0 and not agent_store,
+        timeout=timedelta(seconds=STORE_TIMEOUT_S),
+        wait_for_workers=False,
+    )
+
+
+def _key(role: Role, name: str) -> str:
+    return f"wavelet/{role.restart}/{name}"  # a restarted group starts a fresh set of keys
+
+
+def run(job: JobConfig, shards_per_node: int, mode: str, run_dir: str, options) -> int:
+    """This process's part of the job."""
+    role = Role.from_env()
+    run_dir = run_dir or f"runs/torchrun-{role.run_id}"
+    if mode == "allreduce":
+        return _allreduce_rank(job, role, run_dir, options)
+    layout = layout_for(role, shards_per_node)
+    job = replace(job, shards=layout.shards)
+    store = open_store(role)
+    index = layout.shard_index(role)
+    if index is not None:
+        return _shard(job, role, layout, index, store, run_dir, options)
+    return _worker(job, role, layout, store, run_dir, options)
+
+
+def _shard(job, role, layout, index, store, run_dir, options) -> int:
+    import torch
+
+    from wavelet.ps.server import BindError, ShardServer
+
+    host = reachable_host(role)
+    token = _admin_token(role, store)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    token_file = Path(run_dir) / f"admin-{index}.token"
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    keys = _job_keys(options)
+    config = PSConfig(
+        job=job,
+        shard_index=index,
+        bind=f"tcp://{host}:0",
+        expect_waves=layout.workers * job.waves,
+        run_dir=run_dir,
+        checkpoint_every=options.checkpoint_every,
+        checkpoint_every_s=options.checkpoint_every_s,
+        insecure=options.insecure,
+        admin_token_file=str(token_file),
+        curve_secret=str(keys.server_secret) if keys else "",
+        curve_authorized=str(keys.authorized) if keys else "",
+    )
+    torch.set_num_threads(1)
+    try:
+        server = ShardServer(config)
+    except BindError as e:
+        raise ConfigError(str(e)) from None
+    store.set(_key(role, f"shard/{index}"), server.address)
+    log.info("shard %d of %d serving on %s", index, layout.shards, server.address)
+    from wavelet.scripts.cli import _on_signals
+
+    _on_signals(server.stop)
+    server.serve_forever()
+    return 0
+
+
+def _admin_token(role: Role, store) -> str:
+    """One token for the job's shards, made by global rank 0 and shared through the store."""
+    import secrets
+
+    key = _key(role, "admin-token")
+    if role.rank == 0:
+        store.set(key, secrets.token_hex(32))
+    store.wait([key])
+    return store.get(key).decode()
+
+
+def _worker(job, role, layout, store, run_dir, options) -> int:
+    import torch
+
+    from wavelet.common.job import check_job
+    from wavelet.worker.daemon import WorkerDaemon
+
+    rank = layout.worker_rank(role)
+    names = [_key(role, f"shard/{i}") for i in range(layout.shards)]
+    store.wait(names)
+    addresses = [store.get(k).decode() for k in names]
+    keys = _job_keys(options)
+    local = role.local_rank - layout.shards_per_node
+    device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    cores = max(1, (os.cpu_count() or 1) // layout.workers_per_node)
+    config = WorkerConfig(
+        job=job,
+        shard_addresses=addresses,
+        device=device,
+        rank=rank,
+        num_workers=layout.workers,
+        run_dir=run_dir,
+        core_budget=cores,
+        resume=role.restart > 0,
+        transport=options.transport,
+        curve_secret=str(keys.client_secret(CURVE_CLIENT)) if keys else "",
+        curve_server_key=str(keys.server_public) if keys else "",
+    )
+    check_job(job, layout.workers * job.waves)
+    daemon = WorkerDaemon(config)
+    from wavelet.scripts.cli import _on_signals
+
+    _on_signals(daemon.stop)
+    started = time.time()
+    if rank == 0:
+        code = _report_while(daemon, job, role, layout, store, addresses, run_dir, started, keys)
+    else:
+        code = daemon.run()
+    store.set(_key(role, f"done/{rank}"), str(code))
+    return code
+
+
+def _report_while(daemon, job, role, layout, store, addresses, run_dir, started, keys) -> int:
+    """Worker 0: train, showing progress from this node's records; then, once every worker is
+    done, test the shards' weights, print the summary, write summary.json, stop the shards."""
+    import threading
+
+    from wavelet.scripts.launch import Progress, format_summary, summarize
+
+    result: list[int] = []
+    trainer = threading.Thread(target=lambda: result.append(daemon.run()), name="train")
+    trainer.start()
+    progress = Progress(Path(run_dir), job.epochs, since=started)
+    while trainer.is_alive():
+        trainer.join(2.0)
+        if trainer.is_alive():
+            progress.read()
+            print(progress.line(time.time() - started), flush=True)
+    code = result[0] if result else 1
+    store.set(_key(role, "done/0"), str(code))
+    done = [_key(role, f"done/{r}") for r in range(layout.workers)]
+    store.wait(done)
+    if any(int(store.get(k)) != 0 for k in done):
+        print("wavelet run: a worker failed; see its log", file=sys.stderr)
+        return 1
+    client_keys = keys.client(CURVE_CLIENT) if keys else None
+    summary = summarize(
+        Path(run_dir),
+        "ps (torchrun)",
+        job,
+        addresses,
+        progress,
+        client_keys,
+        _admin_token(role, store),
+    )
+    print("\n" + format_summary(summary), flush=True)
+    return 0
+
+
+def _allreduce_rank(job, role, run_dir, options) -> int:
+    import torch
+
+    from wavelet.worker.allreduce import AllReduceWorker
+
+    device = f"cuda:{role.local_rank}" if torch.cuda.is_available() else "cpu"
+    config = WorkerConfig(
+        job=job,
+        device=device,
+        rank=0,
+        num_workers=1,
+        threads=max(1, (os.cpu_count() or 1) // role.local_world),
+        run_dir=run_dir,
+        mode="allreduce",
+    )
+    started = time.time()
+    code = AllReduceWorker(config).run()
+    if role.rank == 0 and code == 0:
+        from wavelet.scripts.launch import Progress, format_summary, summarize
+
+        progress = Progress(Path(run_dir), job.epochs, since=started)
+        summary = summarize(Path(run_dir), "allreduce (torchrun)", job, [], progress)
+        print("\n" + format_summary(summary), flush=True)
+    return code

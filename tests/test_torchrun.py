@@ -1,0 +1,211 @@
+"""PS and all-reduce jobs under torchrun: one command for every process, roles from torchrun's
+environment, shard addresses through torch.distributed's store; and the recipes that run it."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CHILD_ENV, started, wait_for
+
+from wavelet.common import shm
+from wavelet.scripts.cli import build_parser
+from wavelet.scripts.run import Layout, Role, layout_for
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _torchrun(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*TORCHRUN, *args],
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )
+
+
+def _assert_nothing_left(run_dir: Path) -> None:
+    """No process of the job and no shared-memory segment of its run outlive it."""
+    deadline = time.monotonic() + 15
+    while any(str(run_dir).encode() in _cmdline(p) for p in _all_pids()):
+        assert time.monotonic() < deadline, "processes of the job were left running"
+        time.sleep(0.2)
+    assert not list(shm.SHM_DIR.glob(shm.run_prefix(run_dir) + "*"))
+
+
+def _all_pids() -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+
+
+def test_roles_follow_from_the_world():
+    env = {
+        "RANK": "5",
+        "LOCAL_RANK": "2",
+        "WORLD_SIZE": "6",
+        "LOCAL_WORLD_SIZE": "3",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    role = Role.from_env(env)
+    layout = layout_for(role, 1)
+    assert layout == Layout(shards_per_node=1, workers_per_node=2, nodes=2)
+    assert layout.shards == 2 and layout.workers == 4
+    assert layout.shard_index(role) is None and layout.worker_rank(role) == 3
+    shard = Role.from_env({**env, "RANK": "3", "LOCAL_RANK": "0"})
+    assert layout.shard_index(shard) == 1
+    with pytest.raises(ValueError, match="leaves no worker"):
+        layout_for(role, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_ps_job_under_torchrun_reaches_the_accuracy_bar(tmp_path):
+    run_dir = tmp_path / "run"
+    done = _torchrun(
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "wavelet.scripts.cli",
+        "run",
+        "--shards-per-node",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        timeout=230,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "final test accuracy" in done.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.97, summary
+    assert set(summary["waves"]) == {"w0/0", "w0/1", "w1/0", "w1/1"}  # 2 workers x 2 waves
+    _assert_nothing_left(run_dir)
+
+
+@pytest.mark.timeout(180)
+def test_an_allreduce_job_under_torchrun_reports_like_launch(tmp_path):
+    run_dir = tmp_path / "run"
+    done = _torchrun(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "wavelet.scripts.cli",
+        "run",
+        "--mode",
+        "allreduce",
+        "--epochs",
+        "3",
+        "--run-dir",
+        str(run_dir),
+        timeout=170,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "final test accuracy" in done.stdout and "samples/s" in done.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mode"] == "allreduce (torchrun)" and summary["test_accuracy"] > 0.5
+    _assert_nothing_left(run_dir)
+
+
+def _wavelet_args(command: list[str]) -> list[str]:
+    """The wavelet part of a torchrun command line."""
+    i = command.index("wavelet.scripts.cli")
+    return command[i + 1 :]
+
+
+def test_the_recipes_parse_and_match_the_cli():
+    manifest = yaml.safe_load((ROOT / "examples" / "pytorchjob.yaml").read_text())
+    assert manifest["kind"] == "PyTorchJob"
+    container = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][
+        0
+    ]
+    commands = [container["command"]]
+    script = (ROOT / "examples" / "slurm.sbatch").read_text().replace("\\\n", " ")
+    assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0  # valid shell
+    line = next(line for line in script.splitlines() if line.startswith("srun torchrun"))
+    commands.append(shlex.split(line.replace('"$HEAD:29400"', "head:29400")))
+    for command in commands:
+        args = build_parser().parse_args(_wavelet_args(command))
+        assert args.command == "run" and args.shards_per_node == 1
+        assert (ROOT / args.config).exists()
+    assert os.path.exists(ROOT / "configs" / "resnet18_synthetic.toml")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_restarts_the_group_after_a_shard_is_killed(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "1",
+        "-m",
+        "wavelet.scripts.cli",
+        "run",
+        "--shards-per-node",
+        "2",
+        "--epochs",
+        "30",
+        "--checkpoint-every",
+        "60",
+        "--run-dir",
+        str(run_dir),
+    ]
+    with started(cmd, tmp_path / "torchrun.log", start_new_session=True) as proc:
+        checkpoint = run_dir / "checkpoints" / "shard-0.pt"
+        wait_for(checkpoint.exists, 90, "no checkpoint was written")
+        time.sleep(1.0)
+        shard = [
+            p
+            for p in _children(proc.pid)
+            if _environ(p).get("LOCAL_RANK") == "0" and b"wavelet" in _cmdline(p)
+        ]
+        assert len(shard) == 1
+        os.kill(shard[0], signal.SIGKILL)
+        assert proc.wait(200) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    out = (tmp_path / "torchrun.log").read_text()
+    assert "final test accuracy" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.97, summary
+    assert summary["lost_updates"] > 0, summary
+    _assert_nothing_left(run_dir)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+            out += [int(entry.name), *_children(int(entry.name))]
+    return out
