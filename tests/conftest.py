@@ -16,6 +16,8 @@ import torch
 import zmq
 from zmq.utils.garbage import gc as zmq_garbage
 
+from wavelet.common.shm import SHM_DIR, remove_segments, run_prefix
+
 # Tests and the daemons they start share two cores: one torch thread each.
 torch.set_num_threads(1)
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -87,6 +89,12 @@ def started(cmd: list[str], log: Path, **kwargs):
         yield proc
     finally:
         if proc.poll() is None:
+            proc.terminate()  # a clean stop first: daemons remove their shared-memory segments
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
             kill_tree(proc.pid)
             proc.wait(10)
 
@@ -141,6 +149,7 @@ class ShardDaemons:
     def __exit__(self, *exc) -> None:
         for cm in reversed(self._stack):
             cm.__exit__(None, None, None)
+        remove_segments(run_prefix(self.tmp))  # what a shard a test killed with -9 left
 
 
 @pytest.fixture
@@ -165,6 +174,17 @@ def no_leftover_processes():
     for pid in leftovers:
         kill_tree(pid)
     assert not leftovers, f"tests left processes running: {leftovers}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_leftover_segments():
+    """No shared-memory segment the tests made outlives them (the ones there before stay)."""
+    before = set(SHM_DIR.glob("wavelet-*"))
+    yield
+    left = set(SHM_DIR.glob("wavelet-*")) - before
+    for path in left:
+        path.unlink(missing_ok=True)
+    assert not left, f"tests left {len(left)} shared-memory segment(s): {sorted(left)[:5]}"
 
 
 @pytest.fixture(autouse=True)
