@@ -22,9 +22,10 @@ PY=${PYTHON:-python3}
 step() { echo; echo "=== $* ($(date +%T))"; }
 
 step "1. what this machine lacks, from ./wheels (no network)"
-for module in zmq pytest pytest_timeout; do
+for module in zmq pytest pytest_timeout xdist; do
     if ! "$PY" -c "import $module" 2>/dev/null; then
         package=${module//_/-}; [ "$module" = zmq ] && package=pyzmq
+        [ "$module" = xdist ] && package=pytest-xdist
         "$PY" -m pip install --no-index --find-links wheels -q "$package" \
             || echo "could not install $package from ./wheels (run benchmarks/gpu_wheels.sh)"
     fi
@@ -54,9 +55,9 @@ EOF
 
 if [ $DRY = 1 ]; then
     DEVICE=cpu
-    JOB=(--epochs 2)
-    COMPARE=(--config configs/digits.toml --epochs 0 --max-seconds 6 --target-acc 0.9)
-    MODES=ticktock,single,together,allreduce
+    JOB=(--epochs 1)
+    COMPARE=(--config configs/digits.toml --epochs 0 --max-seconds 3 --target-acc 0.9)
+    MODES=ticktock,allreduce
     CAP=()
 else
     DEVICE=cuda:0
@@ -75,7 +76,7 @@ else
 fi
 
 step "3. GPU tests, and the default job on $DEVICE"
-"$PY" -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -5
+"$PY" -m pytest -m gpu -n 0 -q -p no:cacheprovider tests 2>&1 | tail -5
 "${WAVELET[@]}" launch --devices "$DEVICE" "${JOB[@]}" --run-dir "$OUT/default-job" \
     | tail -8
 

@@ -53,6 +53,7 @@ class Segment:
 
     @classmethod
     def create(cls, prefix: str, size: int) -> Segment:
+        SHM_DIR.mkdir(mode=0o700, exist_ok=True)  # /dev/shm, or a folder WAVELET_SHM_DIR names
         path = SHM_DIR / f"{prefix}{secrets.token_hex(12)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

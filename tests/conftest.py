@@ -11,16 +11,27 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-import torch
-import zmq
-from zmq.utils.garbage import gc as zmq_garbage
+# Under pytest-xdist, each test process keeps its jobs' shared-memory segments in a folder of its
+# own, so that its checks never see (or remove) another's. Set before wavelet.common.shm loads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["WAVELET_SHM_DIR"] = f"/dev/shm/wavelet-tests-{os.getpid()}"  # made on first use
 
-from wavelet.common.shm import SHM_DIR, remove_segments, run_prefix
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import zmq  # noqa: E402
+from zmq.utils.garbage import gc as zmq_garbage  # noqa: E402
+
+from wavelet.common.shm import SHM_DIR, remove_segments, run_prefix  # noqa: E402
 
 # Tests and the daemons they start share two cores: one torch thread each.
 torch.set_num_threads(1)
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# Children are not test processes: no pytest or xdist variables (a nested pytest, as the GPU
+# check's, must not take itself for an xdist worker).
+CHILD_ENV = {
+    **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def wavelet_cmd(*args: str) -> list[str]:
@@ -184,6 +195,8 @@ def no_leftover_segments():
     left = set(SHM_DIR.glob("wavelet-*")) - before
     for path in left:
         path.unlink(missing_ok=True)
+    if SHM_DIR.name.startswith("wavelet-tests-") and SHM_DIR.is_dir():
+        SHM_DIR.rmdir()
     assert not left, f"tests left {len(left)} shared-memory segment(s): {sorted(left)[:5]}"
 
 

@@ -26,7 +26,7 @@ def test_gpu_check_dry_run_writes_a_complete_report(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert "Default job on cpu: test accuracy" in report
-    for mode in ("ticktock", "single", "together", "allreduce"):
+    for mode in ("ticktock", "allreduce"):
         row = next(line for line in report.splitlines() if line.startswith(f"| {mode} |"))
         assert "failed" not in row, row
     assert "tick-tock vs all-reduce, samples/s:" in report
