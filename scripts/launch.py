@@ -199,6 +199,7 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
         else:
             job.keys = JobKeys.create(run_dir / "keys", clients)
     started = time.monotonic()
+    since = time.time()  # records from before this start (a resumed run's first part) do not count
     board = None
     try:
         if config.mode == "ps":
@@ -212,7 +213,7 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
             expected = len(addresses) + len(workers)
             _say(quiet, "metrics: " + ", ".join(metrics_urls(run_dir, expected)))
         board = RunBoard(run_dir / "tensorboard")
-        progress = Progress(run_dir, job_cfg.epochs, since=time.time(), board=board)
+        progress = Progress(run_dir, job_cfg.epochs, since=since, board=board)
         say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
         while True:
             job.supervise(allow_exit=tuple(workers), say=say)

@@ -51,22 +51,39 @@ class WorkerMetrics:
             for key in ("cuda_allocated", "cuda_reserved", "nvml_used")
         }
         self._last_t: dict[str, float] = {}
+        self._series: dict[str, dict] = {}  # per wave, its labelled children (looked up once)
+
+    def _of(self, wave: str) -> dict:
+        series = self._series.get(wave)
+        if series is None:
+            key = (self.worker, wave)
+            series = {
+                "samples": self.samples.labels(*key),
+                "steps": self.steps.labels(*key),
+                "rate": self.rate.labels(*key),
+                "saved": self.saved.labels(*key),
+                "loss": self.loss.labels(*key),
+                "seconds": {n: c.labels(*key) for n, c in self.seconds.items()},
+                "cuda": {n: g.labels(*key) for n, g in self.cuda.items()},
+            }
+            self._series[wave] = series
+        return series
 
     def record(self, wave: str, step: dict) -> None:
         """Account one step record (worker/wave.py writes the same dict to its records)."""
-        key = (self.worker, wave)
-        self.samples.labels(*key).inc(step["samples"])
-        self.steps.labels(*key).inc()
-        for name, counter in self.seconds.items():
-            counter.labels(*key).inc(step.get(name, 0.0))
-        self.saved.labels(*key).set(step.get("saved_bytes_peak", 0))
-        self.loss.labels(*key).set(step["loss"])
-        for name, gauge in self.cuda.items():
+        s = self._of(wave)
+        s["samples"].inc(step["samples"])
+        s["steps"].inc()
+        for name, counter in s["seconds"].items():
+            counter.inc(step.get(name, 0.0))
+        s["saved"].set(step.get("saved_bytes_peak", 0))
+        s["loss"].set(step["loss"])
+        for name, gauge in s["cuda"].items():
             if name in step:
-                gauge.labels(*key).set(step[name])
+                gauge.set(step[name])
         last = self._last_t.get(wave)
         if last is not None and step["t"] > last:
-            self.rate.labels(*key).set(step["samples"] / (step["t"] - last))
+            s["rate"].set(step["samples"] / (step["t"] - last))
         self._last_t[wave] = step["t"]
 
 
