@@ -75,6 +75,14 @@ def _children_of(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: children, their children, and so on."""
+    out = []
+    for child in _children_of(pid):
+        out += [child, *descendants(child)]
+    return out
+
+
 def kill_tree(pid: int) -> None:
     for child in _children_of(pid):
         kill_tree(child)

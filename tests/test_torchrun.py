@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHILD_ENV, started, wait_for
+from conftest import CHILD_ENV, descendants, started, wait_for
 
 from wavelet.common import shm
 from wavelet.scripts.cli import build_parser
@@ -175,7 +175,7 @@ def test_torchrun_restarts_the_group_after_a_shard_is_killed(tmp_path):
         time.sleep(1.0)
         shard = [
             p
-            for p in _children(proc.pid)
+            for p in descendants(proc.pid)
             if _environ(p).get("LOCAL_RANK") == "0" and b"wavelet" in _cmdline(p)
         ]
         assert len(shard) == 1
@@ -194,18 +194,3 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
-
-
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-            out += [int(entry.name), *_children(int(entry.name))]
-    return out
