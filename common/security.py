@@ -167,15 +167,23 @@ def admin_token_file(run_dir: str | Path) -> Path:
     return Path(run_dir) / ADMIN_TOKEN_FILE
 
 
+def write_private(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` readable by this user only (mode 0600)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    return path
+
+
 def load_admin_token(path: str | Path, create: bool = True) -> str:
     """The token in ``path``; with ``create``, a new one is written there first if none is."""
     path = Path(path)
     if create and not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
+        tmp = write_private(
+            path.with_name(f".{path.name}.{os.getpid()}.tmp"), secrets.token_hex(32)
+        )
         try:
             os.link(tmp, path)  # atomic, and never replaces a token another process wrote
         except FileExistsError:

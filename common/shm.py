@@ -52,7 +52,8 @@ class Segment:
         self.nonce = ""
 
     @classmethod
-    def create(cls, prefix: str, size: int) -> Segment:
+    def create(cls, prefix: str, size: int, nonce: str = "") -> Segment:
+        """A new segment with ``nonce`` (a fresh one if empty) written into its first bytes."""
         SHM_DIR.mkdir(mode=0o700, exist_ok=True)  # /dev/shm, or a folder WAVELET_SHM_DIR names
         path = SHM_DIR / f"{prefix}{secrets.token_hex(12)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -63,7 +64,7 @@ class Segment:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
-        segment.nonce = secrets.token_hex(8)
+        segment.nonce = nonce or secrets.token_hex(8)
         segment._map[: len(segment.nonce)] = segment.nonce.encode()
         return segment
 

@@ -52,12 +52,10 @@ class SegmentStore:
         offsets, size = layout([s.desc.nbytes for s in specs])
         push = Segment.create(self.prefix, size)
         try:
-            pull = Segment.create(self.prefix, size)
+            pull = Segment.create(self.prefix, size, push.nonce)  # one nonce for the pair
         except BaseException:
             push.close()
             raise
-        pull._map[: len(push.nonce)] = push.nonce.encode()  # one nonce for the pair
-        pull.nonce = push.nonce
 
         def views(segment: Segment) -> list[torch.Tensor]:
             return [

@@ -183,15 +183,12 @@ def run(job: JobConfig, shards_per_node: int, mode: str, run_dir: str, options) 
 def _shard(job, role, layout, index, store, run_dir, options) -> int:
     import torch
 
+    from wavelet.common.security import write_private
     from wavelet.ps.server import BindError, ShardServer
 
     host = reachable_host(role)
     token = _admin_token(role, store)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    token_file = Path(run_dir) / f"admin-{index}.token"
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    token_file = write_private(Path(run_dir) / f"admin-{index}.token", token)
     keys = _job_keys(options)
     config = PSConfig(
         job=job,
