@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 MAX_UNREAD_REPLIES = 4  # weight replies per client that ZeroMQ may still be sending
 TICK_S = 0.1  # how often timers run, however busy the socket is
+GC_GRACE_S = 0.02  # longest wait for pyzmq to report a delivered reply before refusing
 
 
 class BindError(RuntimeError):
@@ -123,6 +124,15 @@ class ShardServer:
             send_message(self.socket, m.header, m.tensors, prefix=[m.peer])
             return
         unread = [t for t in self._sending[m.peer] if not t.done]
+        if len(unread) >= MAX_UNREAD_REPLIES:
+            # A tracker turns done only once pyzmq's garbage-collector thread has run, which this
+            # loop (holding the GIL) can delay: give it a moment before calling a client a
+            # non-reader, or an honest client with replies long delivered would be refused.
+            try:
+                unread[0].wait(GC_GRACE_S)
+            except zmq.NotDone:
+                pass
+            unread = [t for t in unread if not t.done]
         self._sending[m.peer] = unread
         if len(unread) >= MAX_UNREAD_REPLIES:
             message = (

@@ -141,6 +141,7 @@ def test_two_nodes_under_torchrun_train_the_default_job(two_hosts, tmp_path):
                 "--local-addr", addr, "--rdzv-conf", f"is_host={host}",
                 "-m", "wavelet.scripts.cli", "run", "--shards-per-node", "1",
                 "--curve-keys", str(keys), "--transport", "tcp", "--run-dir", str(tmp_path / name),
+                "--epochs", "20",  # 4 waves over TCP: a little more room above the bar
             ]  # fmt: skip
             log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
             procs.append(
