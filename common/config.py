@@ -270,6 +270,11 @@ class PSConfig:
     # ZeroMQ (the connection is closed), pulls parked beyond max_parked get an error reply.
     max_message_mib: float = setting(1024.0, help="larger messages are dropped")
     max_parked: int = setting(4096, help="pulls held back by the staleness bound at once, at most")
+    max_waves: int = setting(
+        0,
+        help="waves this shard serves at once, at most (0: twice --expect-waves, at least 16, "
+        "which leaves room for re-joins)",
+    )
     # Checkpoints (into run_dir/checkpoints): every N updates and/or every S seconds (0: never),
     # and always when the daemon stops. A restarted shard resumes from its last checkpoint.
     checkpoint_every: int = setting(0, help="checkpoint every N updates (0: only when stopping)")
@@ -281,6 +286,11 @@ class PSConfig:
     curve_secret: str = setting("", help="CURVE: this shard's .key_secret file (wavelet keys)")
     curve_authorized: str = setting(
         "", help="CURVE: folder of the public .key files of the clients to accept"
+    )
+    curve_admin_key: str = setting(
+        "",
+        help="CURVE: public .key file of the client whose checkpoint and shutdown requests "
+        "are obeyed (instead of the admin token)",
     )
     insecure: bool = setting(
         False, help="allow binding beyond loopback without CURVE (traffic in the clear)"
@@ -305,8 +315,11 @@ class PSConfig:
         _non_negative("shard_index", self.shard_index)
         if bool(self.curve_secret) != bool(self.curve_authorized):
             raise ConfigError("CURVE needs both --curve-secret and --curve-authorized")
+        if self.curve_admin_key and not self.curve_secret:
+            raise ConfigError("--curve-admin-key needs CURVE (--curve-secret, --curve-authorized)")
         _positive("max_message_mib", self.max_message_mib)
         _positive("max_parked", self.max_parked)
+        _non_negative("max_waves", self.max_waves)
         _non_negative("checkpoint_every", self.checkpoint_every)
         _non_negative("checkpoint_every_s", self.checkpoint_every_s)
         if self.shard_index >= self.job.shards:
@@ -317,6 +330,11 @@ class PSConfig:
         _positive("threads", self.threads)
         check_address("bind", self.bind)
         _check_metrics_port(self.metrics_port)
+
+    @property
+    def wave_limit(self) -> int:
+        """``max_waves``, or the default derived from ``expect_waves``."""
+        return self.max_waves or max(2 * self.expect_waves, 16)
 
     @property
     def admin_token_path(self) -> str:

@@ -60,6 +60,7 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "shutting_down"
     LIMIT = "limit"
     UNAUTHORIZED = "unauthorized"
+    WAVE_IN_USE = "wave_in_use"  # the wave is registered by another connection
     INTERNAL = "internal"
 
 
@@ -403,6 +404,7 @@ class AttachReply(Body):
     nonce: str = ""  # written into both segments' first bytes: proves the client opened them
     size: int = 0  # bytes of each segment
     offsets: list[int] = field(default_factory=list)  # byte offset of each chunk, plan order
+    reason: str = ""  # why the shard offers TCP (no space for segments, --no-shm)
 
 
 @dataclass(frozen=True)

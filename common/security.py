@@ -56,6 +56,9 @@ class JobKeys:
     def client_secret(self, name: str) -> Path:
         return self.folder / "clients" / f"{name}.key_secret"
 
+    def client_public(self, name: str) -> Path:
+        return self.folder / "clients" / f"{name}.key"
+
     @classmethod
     def create(cls, folder: Path, clients: list[str]) -> JobKeys:
         keys = cls(folder)
@@ -78,6 +81,12 @@ def _load(path: str | Path, secret: bool) -> tuple[bytes, bytes | None]:
     if secret and secret_key is None:
         raise ConfigError(f"{path} holds no secret key; pass the .key_secret file")
     return public, secret_key
+
+
+def public_key_z85(path: str | Path) -> str:
+    """The public key in a key file, as CURVE reports an authenticated client (z85 text)."""
+    public, _ = _load(path, secret=False)
+    return public.decode()
 
 
 @dataclass(frozen=True)
@@ -167,23 +176,47 @@ def admin_token_file(run_dir: str | Path) -> Path:
     return Path(run_dir) / ADMIN_TOKEN_FILE
 
 
-def write_private(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` readable by this user only (mode 0600)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _new_private_file(path: Path, text: str) -> None:
+    """Create ``path`` (0600) holding ``text``; fails if anything, a link included, is there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text + "\n")
+
+
+def write_private(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` readable by this user only (mode 0600), replacing what is
+    there: written to a new file first and renamed over it, so neither an existing file's mode
+    nor a symlink at ``path`` is ever followed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    _new_private_file(tmp, text)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def check_private(path: Path) -> None:
+    """Refuse a secret file that other users can read or that another user owns."""
+    st = os.stat(path)
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"{path} can be read by other users (mode {st.st_mode & 0o777:o}): "
+            f"chmod 600 {path}"
+        )
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{path} belongs to another user; use a token file of your own")
 
 
 def load_admin_token(path: str | Path, create: bool = True) -> str:
     """The token in ``path``; with ``create``, a new one is written there first if none is."""
     path = Path(path)
     if create and not path.exists():
-        tmp = write_private(
-            path.with_name(f".{path.name}.{os.getpid()}.tmp"), secrets.token_hex(32)
-        )
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        _new_private_file(tmp, secrets.token_hex(32))
         try:
             os.link(tmp, path)  # atomic, and never replaces a token another process wrote
         except FileExistsError:
@@ -191,6 +224,7 @@ def load_admin_token(path: str | Path, create: bool = True) -> str:
         finally:
             tmp.unlink(missing_ok=True)
     try:
+        check_private(path)
         token = path.read_text().strip()
     except OSError as e:
         raise ConfigError(f"cannot read the admin token {path}: {e.strerror}") from None

@@ -10,6 +10,8 @@ tracker unlinks a segment when any process that merely opened it exits.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import mmap
 import os
@@ -39,6 +41,19 @@ def layout(nbytes: list[int]) -> tuple[list[int], int]:
     return offsets, at
 
 
+class NoSpaceForSegments(OSError):
+    """The shared-memory folder is too full for a wave's segments (TCP is used instead)."""
+
+
+def free_bytes() -> int:
+    """Bytes free in the shared-memory folder (0 if it cannot be read)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 class Segment:
     """One mapped file. ``create`` makes it (0600, exclusive); ``open`` maps an existing one."""
 
@@ -58,11 +73,19 @@ class Segment:
         path = SHM_DIR / f"{prefix}{secrets.token_hex(12)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserve every page now: a tmpfs that runs out later would kill whoever touches
+            # the missing page with SIGBUS; here it is one ENOSPC, before anyone uses it.
+            os.posix_fallocate(fd, 0, size)
             segment = cls(path, size, fd, owner=True)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
             path.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise NoSpaceForSegments(
+                    f"{SHM_DIR} has {free_bytes() / 1e6:.1f} MB free, too little for a "
+                    f"{size / 1e6:.1f} MB segment: tensors travel over TCP instead (a Docker "
+                    "container gets 64 MB unless run with a larger --shm-size)"
+                ) from None
             raise
         segment.nonce = nonce or secrets.token_hex(8)
         segment._map[: len(segment.nonce)] = segment.nonce.encode()
@@ -133,3 +156,40 @@ def remove_segments(prefix: str) -> list[str]:
         except OSError:
             continue
     return removed
+
+
+class SegmentsLock:
+    """One shard's claim on its segment prefix, held for the shard's life: a second shard of the
+    same run dir and index (started by hand) must not remove the live one's segments, and
+    ``wavelet clean`` must prove a run dead before it removes what the run left. An ``flock``
+    on a file in the run dir: the kernel drops it when the holder dies, even by SIGKILL."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        """Take the lock; False if a live process holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+    def holder(self) -> str:
+        """The pid written by whoever holds (or last held) the lock, or "?"."""
+        try:
+            return self.path.read_text().strip() or "?"
+        except OSError:
+            return "?"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None

@@ -60,11 +60,10 @@ class ShardCollector:
             "checkpoints that could not be written",
             svc.checkpoint_failures,
         )
-        version, when = svc.checkpointed_at
         yield gauge(
             "wavelet_shard_checkpoint_age_seconds",
-            "seconds since the last checkpoint",
-            time.monotonic() - when,
+            "seconds since the last checkpoint that succeeded (or the shard's start)",
+            time.monotonic() - svc.checkpoint_ok_at,
         )
         yield gauge(
             "wavelet_shard_checkpoint_duration_seconds",

@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from wavelet.common.shm import Segment, layout, remove_segments
+from wavelet.common.shm import (
+    NoSpaceForSegments,
+    Segment,
+    SegmentsLock,
+    layout,
+    remove_segments,
+)
 from wavelet.ps.shard import ChunkSpec
 from wavelet.ps.staleness import WaveId
 
@@ -37,11 +44,25 @@ class WaveSegments:
         self.pull.close()
 
 
-class SegmentStore:
-    """Segments by wave, all named under ``prefix`` (one prefix per run and shard)."""
+__all__ = ["NoSpaceForSegments", "SegmentStore", "ShardRunning", "WaveSegments"]
 
-    def __init__(self, prefix: str):
+
+class ShardRunning(RuntimeError):
+    """Another live shard already serves this run dir and shard index."""
+
+
+class SegmentStore:
+    """Segments by wave, all named under ``prefix`` (one prefix per run and shard). With
+    ``lock`` (a file in the run dir), the store first proves no live shard uses the prefix."""
+
+    def __init__(self, prefix: str, lock: Path | None = None):
         self.prefix = prefix
+        self.lock = SegmentsLock(lock) if lock else None
+        if self.lock and not self.lock.acquire():
+            raise ShardRunning(
+                f"a shard of this run dir with this index is already running (pid "
+                f"{self.lock.holder()}); stop it first, or use another --run-dir"
+            )
         stale = remove_segments(prefix)  # what a killed predecessor of this shard left
         if stale:
             log.warning("removed %d shared-memory segment(s) a stopped shard left", len(stale))
@@ -76,5 +97,9 @@ class SegmentStore:
             segments.close()
 
     def close(self) -> None:
-        for wave in list(self.waves):
-            self.detach(wave)
+        try:
+            for wave in list(self.waves):
+                self.detach(wave)
+        finally:
+            if self.lock:
+                self.lock.release()

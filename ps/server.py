@@ -17,10 +17,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from wavelet.common.config import PSConfig
 from wavelet.common.protocol import ErrorCode, error_header, send_message
-from wavelet.common.security import ServerSecurity, check_bind, load_admin_token
+from wavelet.common.security import (
+    ServerSecurity,
+    check_bind,
+    load_admin_token,
+    public_key_z85,
+)
+from wavelet.ps.owners import Peer
 from wavelet.ps.service import Outgoing, ShardService
 
 log = logging.getLogger(__name__)
@@ -28,6 +35,7 @@ log = logging.getLogger(__name__)
 MAX_UNREAD_REPLIES = 4  # weight replies per client that ZeroMQ may still be sending
 TICK_S = 0.1  # how often timers run, however busy the socket is
 GC_GRACE_S = 0.02  # longest wait for pyzmq to report a delivered reply before refusing
+GC_GRACE_PER_TURN_S = 0.02  # all such waits in one loop turn together, however many non-readers
 
 
 class BindError(RuntimeError):
@@ -41,10 +49,15 @@ class ShardServer:
         self.config = config
         check_bind(config.bind, secure=bool(config.curve_secret), insecure=config.insecure)
         self._sending: dict[bytes, list[zmq.MessageTracker]] = defaultdict(list)
+        self._grace_left = GC_GRACE_PER_TURN_S
+        self._peer_fd: dict[bytes, int] = {}  # connection of each peer, to notice it close
         self.bytes_in = 0  # over ZeroMQ (shared-memory tensors are not counted here)
         self.bytes_out = 0
         token = load_admin_token(config.admin_token_path) if config.admin_token_path else ""
-        self.service = ShardService(config, token, weights_in_use=self._weights_in_flight)
+        admin_key = public_key_z85(config.curve_admin_key) if config.curve_admin_key else ""
+        self.service = ShardService(
+            config, token, weights_in_use=self._weights_in_flight, admin_key=admin_key
+        )
         self.context = context or zmq.Context.instance()
         self.security = None
         if config.curve_secret:
@@ -60,6 +73,7 @@ class ShardServer:
             self.socket.bind(config.bind)
         except zmq.ZMQError as e:
             self.socket.close(linger=0)
+            self.service.close()  # releases its segment lock
             if self.security:
                 self.security.stop()
             raise BindError(
@@ -67,6 +81,8 @@ class ShardServer:
                 "(port 0 picks a free one) or stop what uses it"
             ) from None
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Closed connections release the waves they registered (ps/owners.py).
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if config.ready_file:
             _write_atomically(Path(config.ready_file), self.address)
 
@@ -87,13 +103,18 @@ class ShardServer:
                 wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
                 if poller.poll(wait_ms):
                     # Drain what is queued, but run the timers on time even if it never empties.
+                    self._grace_left = GC_GRACE_PER_TURN_S
                     while not self.service.stopping and time.monotonic() < next_tick:
                         try:
                             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self.bytes_in += sum(len(f) for f in frames[1:])
-                        self._send_all(self.service.handle(frames[0].bytes, frames[1:]))
+                        # a connection that closed before this message came is forgotten first,
+                        # so that a new one on a reused descriptor is not taken for it
+                        self._connections_closed()
+                        peer = self._peer(frames)
+                        self._send_all(self.service.handle(peer, frames[1:]))
                 if time.monotonic() >= next_tick:
                     self._send_all(self.service.tick())
                     next_tick = time.monotonic() + TICK_S
@@ -104,13 +125,46 @@ class ShardServer:
         self.service.stopping = True
 
     def close(self) -> None:
-        self._send_all(self.service.close())
-        self.socket.close(linger=500)
-        if self.security:
-            self.security.stop()
+        try:
+            self._send_all(self.service.close())
+        finally:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
+            self.socket.close(linger=500)
+            if self.security:
+                self.security.stop()
         log.info(
             "shard %d stopped at version %d", self.config.shard_index, self.service.shard.version
         )
+
+    # --- connections --------------------------------------------------------------------------
+
+    def _peer(self, frames: list[zmq.Frame]) -> Peer:
+        """Who sent ``frames``: the ROUTER identity and, with CURVE, the authenticated key."""
+        identity = frames[0].bytes
+        last = frames[-1]
+        try:
+            self._peer_fd[identity] = last.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            pass  # inproc: no descriptor, and no other process
+        key = ""
+        if self.security:
+            try:
+                key = last.get("User-Id")
+            except zmq.ZMQError:
+                key = ""
+        return Peer(identity, key)
+
+    def _connections_closed(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            fd = int(event["value"])
+            for identity in [i for i, f in self._peer_fd.items() if f == fd]:
+                del self._peer_fd[identity]
+                self._sending.pop(identity, None)
+                self._send_all(self.service.connection_closed(identity))
 
     # --- sending ------------------------------------------------------------------------------
 
@@ -128,10 +182,16 @@ class ShardServer:
             # A tracker turns done only once pyzmq's garbage-collector thread has run, which this
             # loop (holding the GIL) can delay: give it a moment before calling a client a
             # non-reader, or an honest client with replies long delivered would be refused.
-            try:
-                unread[0].wait(GC_GRACE_S)
-            except zmq.NotDone:
-                pass
+            # All such waits in one loop turn share one budget: several non-readers must not
+            # slow the loop for everyone else.
+            grace = min(GC_GRACE_S, self._grace_left)
+            if grace > 0:
+                waited = time.monotonic()
+                try:
+                    unread[0].wait(grace)
+                except zmq.NotDone:
+                    pass
+                self._grace_left -= time.monotonic() - waited
             unread = [t for t in unread if not t.done]
         self._sending[m.peer] = unread
         if len(unread) >= MAX_UNREAD_REPLIES:

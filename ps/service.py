@@ -52,8 +52,9 @@ from wavelet.common.protocol import (
 from wavelet.common.records import RecordWriter, last_record
 from wavelet.common.shm import run_prefix
 from wavelet.ps.checkpoints import checkpoint_path, read_checkpoint, write_checkpoint
+from wavelet.ps.owners import Peer, WaveOwners
 from wavelet.ps.policy import make_policy
-from wavelet.ps.segments import SegmentStore
+from wavelet.ps.segments import NoSpaceForSegments, SegmentStore
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats
 from wavelet.ps.synchronous import SyncSum
@@ -65,7 +66,7 @@ ADMIN_OPS = (Op.CHECKPOINT, Op.SHUTDOWN)
 
 @dataclass
 class Outgoing:
-    """One message for the transport to send to ``peer``."""
+    """One message for the transport to send to ``peer`` (a ROUTER identity)."""
 
     peer: bytes
     header: Header
@@ -100,6 +101,7 @@ class ShardService:
         config: PSConfig,
         admin_token: str = "",
         weights_in_use: Callable[[], bool] = lambda: False,
+        admin_key: str = "",
     ):
         self.config = config
         job = config.job
@@ -108,15 +110,19 @@ class ShardService:
         self.bound = StalenessBound(job.staleness)
         self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
         self.sync = SyncSum()
+        self.owners = WaveOwners()
+        self.max_waves = config.wave_limit
         self.stats: dict[WaveId, WaveStats] = {}
         self.parked: list[_ParkedPull] = []
         self.rejected = 0
         self.rejected_by_code: Counter[str] = Counter()
         self.checkpoint_failures = 0
         self.checkpoint_seconds = 0.0  # how long the last checkpoint took
+        self.checkpoint_ok_at = time.monotonic()  # when the last checkpoint succeeded (or start)
         self.lost_on_restore = 0  # updates the last run applied that its checkpoint missed
         self.stopping = False
         self._admin_token = admin_token
+        self._admin_key = admin_key  # with CURVE: the z85 public key admin requests must carry
         self._handlers: dict[str, Callable[..., Any]] = {
             op: getattr(self, f"rpc_{op}") for op in Op if op not in (Op.REPLY, Op.ERROR)
         }
@@ -124,7 +130,10 @@ class ShardService:
         if config.shm:
             # per run dir, so that a restarted shard or the launcher finds what a killed one left
             base = run_prefix(config.run_dir) if config.run_dir else f"wavelet-{os.getpid()}-"
-            self.segments = SegmentStore(f"{base}s{config.shard_index}-")
+            lock = (
+                Path(config.run_dir) / f"ps-{config.shard_index}.lock" if config.run_dir else None
+            )
+            self.segments = SegmentStore(f"{base}s{config.shard_index}-", lock)
         self.push_log: RecordWriter | None = None
         self._checkpointed = (0, time.monotonic())  # version and time of the last checkpoint
         if config.run_dir:
@@ -138,19 +147,16 @@ class ShardService:
         """Updates this process applied (the version also counts those restored)."""
         return self.shard.version - self._start_version
 
-    @property
-    def checkpointed_at(self) -> tuple[int, float]:
-        """Version and monotonic time of the last checkpoint (or of the start)."""
-        return self._checkpointed
-
     def count_refusal(self, code: str) -> None:
         self.rejected += 1
         self.rejected_by_code[str(code)] += 1
 
     # --- the two entry points -----------------------------------------------------------------
 
-    def handle(self, peer: bytes, frames: Sequence[Any]) -> list[Outgoing]:
-        """Answer one request (``frames`` without the routing frame); never raises."""
+    def handle(self, peer: bytes | Peer, frames: Sequence[Any]) -> list[Outgoing]:
+        """Answer one request (``frames`` without the routing frame) from ``peer``, the
+        connection it came on; never raises."""
+        peer = peer if isinstance(peer, Peer) else Peer(peer)
         out: list[Outgoing] = []
         request_id = 0
         header: Header | None = None
@@ -160,65 +166,95 @@ class ShardService:
             body = request_body(header)
             reply = self._handlers[header.op](peer, header, body, tensors)
         except ProtocolError as e:
-            out.append(self._reject(peer, request_id, e.code, e.message, header))
+            out.append(self._reject(peer.identity, request_id, e.code, e.message, header))
             return out
         except Exception as e:  # a bug, not the client's fault: say so and keep serving
             log.error("internal error:\n%s", traceback.format_exc())
             out.append(
                 self._reject(
-                    peer, request_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", header
+                    peer.identity,
+                    request_id,
+                    ErrorCode.INTERNAL,
+                    f"{type(e).__name__}: {e}",
+                    header,
                 )
             )
             return out
-        if reply is not None:
+        if isinstance(reply, list):
+            out += reply
+        elif reply is not None:
             out.append(reply)
-        out += self._release_parked()
-        self._maybe_checkpoint()
-        return out
+        return out + self._housekeeping()
 
     def tick(self, now: float | None = None) -> list[Outgoing]:
-        """Timers: drop waves silent past ``wave_timeout_s``, checkpoint when due."""
-        timeout = self.config.job.wave_timeout_s
-        for wave in self.clocks.silent(timeout, now):
-            log.warning(
-                "wave %s silent for over %.0fs: dropped from the membership so the others go "
-                "on; it rejoins when it comes back",
-                wave_name(*wave),
-                timeout,
+        """Timers: drop waves silent past ``wave_timeout_s``, checkpoint when due; never
+        raises."""
+        out: list[Outgoing] = []
+        try:
+            timeout = self.config.job.wave_timeout_s
+            for wave in self.clocks.silent(timeout, now):
+                log.warning(
+                    "wave %s silent for over %.0fs: dropped from the membership so the others "
+                    "go on; it rejoins when it comes back",
+                    wave_name(*wave),
+                    timeout,
+                )
+                out += self._leave(wave, "it was silent too long; register again")
+        except Exception:
+            log.error("internal error in the timers:\n%s", traceback.format_exc())
+        return out + self._housekeeping()
+
+    def connection_closed(self, identity: bytes) -> list[Outgoing]:
+        """The transport saw connection ``identity`` close: its waves may be claimed again."""
+        for wave in self.owners.connection_closed(identity):
+            log.info("wave %s: its connection closed", wave_name(*wave))
+        return []
+
+    def _housekeeping(self) -> list[Outgoing]:
+        """After every request and timer: complete a bulk-synchronous sum, release the pulls
+        that may now read, checkpoint when due. Guarded like a request: a failure here is
+        logged and answered, never the end of the shard."""
+        try:
+            self._apply_sum_if_complete()
+            out = self._release_parked()
+        except Exception:
+            log.error("internal error releasing parked pulls:\n%s", traceback.format_exc())
+            out = self._answer_parked(
+                lambda p: True, ErrorCode.INTERNAL, "internal error; pull again"
             )
-            self._leave(wave)
-        self._apply_sum_if_complete()
-        out = self._release_parked()
         self._maybe_checkpoint()
         return out
 
     def close(self) -> list[Outgoing]:
-        """Final checkpoint; error replies for the pulls still parked."""
-        if self.config.run_dir and self.shard.initialized:
-            try:
+        """Final checkpoint; error replies for the pulls still parked. Each step runs whatever
+        the one before raised, so segments are always removed."""
+        out: list[Outgoing] = []
+        try:
+            if self.config.run_dir and self.shard.initialized:
                 self.write_checkpoint()
-            except OSError as e:
-                log.error("final checkpoint failed: %s", e)
-        out = [
-            Outgoing(
-                p.peer,
-                error_header(p.request_id, ErrorCode.SHUTTING_DOWN, "shard is shutting down"),
+        except Exception as e:
+            log.error("final checkpoint failed: %s: %s", type(e).__name__, e)
+        finally:
+            out = self._answer_parked(
+                lambda p: True, ErrorCode.SHUTTING_DOWN, "shard is shutting down"
             )
-            for p in self.parked
-        ]
-        self.parked.clear()
-        if self.segments:
-            self.segments.close()
-        if self.push_log:
-            self.push_log.close()
+            try:
+                if self.segments:
+                    self.segments.close()
+            finally:
+                if self.push_log:
+                    self.push_log.close()
         return out
 
     # --- requests -----------------------------------------------------------------------------
 
-    def rpc_register(self, peer, h: Header, body: RegisterRequest, tensors) -> Outgoing:
+    def rpc_register(self, peer: Peer, h: Header, body: RegisterRequest, tensors) -> Outgoing:
         wave = self._wave_of(h)
         if self.shard.initialized:
             self.shard.check_plan(h.plan)
+        if wave not in self.clocks.clocks:
+            self._make_room_for_a_wave()
+        self.owners.claim(wave, peer)  # refused while another open connection owns it
         if body.resume and wave in self.clocks.clocks:
             clock = self.clocks.clocks[wave]  # a resumed job goes on where it stopped
         elif body.exact:
@@ -240,10 +276,12 @@ class ShardService:
             RegisterReply(self.shard.version, clock, self.shard.initialized, lost),
         )
 
-    def rpc_heartbeat(self, peer, h: Header, body: HeartbeatRequest, tensors) -> Outgoing:
+    def rpc_heartbeat(self, peer: Peer, h: Header, body: HeartbeatRequest, tensors) -> Outgoing:
         for index in body.waves:
-            if (h.worker, index) in self.clocks.live:
-                self.clocks.seen((h.worker, index))
+            wave = (h.worker, index)
+            # only a wave whose registering connection is still open is kept alive this way
+            if wave in self.clocks.live and self.owners.bound(wave):
+                self.clocks.seen(wave)
         return self._reply(peer, h, Ack(self.shard.version))
 
     def rpc_init(self, peer, h: Header, body: InitRequest, tensors) -> Outgoing:
@@ -255,54 +293,64 @@ class ShardService:
             # Evaluation and tools read the current weights; they are not a wave and never park.
             self.shard.check_plan(h.plan)
             return self._weights(peer, h.request_id, None, h.clock, parked_s=0.0)
-        wave = self._registered(h)
+        wave = self._registered(h, peer)
         if body.shm:
             self._segments_of(wave)
         self._check_park_room()
         return self._pull_or_park(peer, h.request_id, wave, h.clock, shm=body.shm)
 
     def rpc_push(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing:
-        _, action = self._push(h, body, tensors)
+        _, action = self._push(peer, h, body, tensors)
         return self._reply(peer, h, PushReply(self.shard.version, action))
 
     def rpc_push_pull(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing | None:
         self._check_park_room()  # before the push: a refused request must change nothing
-        wave, action = self._push(h, body, tensors)
+        wave, action = self._push(peer, h, body, tensors)
         clock = self.clocks.clocks[wave]
         return self._pull_or_park(peer, h.request_id, wave, clock, action, shm=body.shm)
 
-    def rpc_leave(self, peer, h: Header, body, tensors) -> Outgoing:
-        wave = self._registered(h)
-        self._leave(wave)
-        if self.segments:
-            self.segments.detach(wave)  # it is done: free its segments
+    def rpc_leave(self, peer: Peer, h: Header, body, tensors) -> list[Outgoing]:
+        wave = self._registered(h, peer)
+        out = self._leave(wave, "the wave left")
         log.info("wave %s left at clock %d", wave_name(*wave), self.clocks.clocks[wave])
-        self._apply_sum_if_complete()
-        return self._reply(peer, h, Ack(self.shard.version))
+        return [*out, self._reply(peer, h, Ack(self.shard.version))]
 
-    def rpc_attach(self, peer, h: Header, body: AttachRequest, tensors) -> Outgoing:
-        wave = self._registered(h)
+    def rpc_attach(self, peer: Peer, h: Header, body: AttachRequest, tensors) -> list[Outgoing]:
+        wave = self._registered(h, peer)
         self.shard.check_plan(h.plan)
+        # segments are about to change: a shared-memory pull still parked would read the old
+        out = self._answer_parked(
+            lambda p: p.wave == wave and p.shm,
+            ErrorCode.NOT_ATTACHED,
+            "the wave attached again; pull again",
+        )
+        reason = ""
         if body.transport == "tcp" or self.segments is None:
             if self.segments:
                 self.segments.detach(wave)
+            if self.segments is None and body.transport != "tcp":
+                reason = "the shard was started with --no-shm"
+        else:
+            try:
+                segments = self.segments.attach(wave, self.shard.specs)
+            except NoSpaceForSegments as e:
+                log.warning("wave %s uses TCP: %s", wave_name(*wave), e)
+                reason = str(e)
+        if body.transport == "tcp" or reason:
             self.stats[wave].transport = "tcp"
-            return self._reply(peer, h, AttachReply(self.shard.version, "tcp"))
-        segments = self.segments.attach(wave, self.shard.specs)
+            tcp = AttachReply(self.shard.version, "tcp", reason=reason)
+            return [*out, self._reply(peer, h, tcp)]
         self.stats[wave].transport = "shm"
-        return self._reply(
-            peer,
-            h,
-            AttachReply(
-                version=self.shard.version,
-                transport="shm",
-                push_segment=segments.push.name,
-                pull_segment=segments.pull.name,
-                nonce=segments.push.nonce,
-                size=segments.push.size,
-                offsets=segments.offsets,
-            ),
+        reply = AttachReply(
+            version=self.shard.version,
+            transport="shm",
+            push_segment=segments.push.name,
+            pull_segment=segments.pull.name,
+            nonce=segments.push.nonce,
+            size=segments.push.size,
+            offsets=segments.offsets,
         )
+        return [*out, self._reply(peer, h, reply)]
 
     def rpc_stats(self, peer, h: Header, body, tensors) -> Outgoing:
         waves = {}
@@ -327,22 +375,22 @@ class ShardService:
         )
 
     def rpc_checkpoint(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
-        self._check_admin(h, body)
+        self._check_admin(peer, h, body)
         path = self.write_checkpoint()
         return self._reply(peer, h, CheckpointReply(self.shard.version, str(path)))
 
     def rpc_shutdown(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
-        self._check_admin(h, body)
+        self._check_admin(peer, h, body)
         self.stopping = True
         return self._reply(peer, h, Ack(self.shard.version))
 
     # --- pushes and pulls ---------------------------------------------------------------------
 
     def _push(
-        self, h: Header, body: PushRequest, tensors: list[torch.Tensor]
+        self, peer: Peer, h: Header, body: PushRequest, tensors: list[torch.Tensor]
     ) -> tuple[WaveId, str]:
         """Validate a push completely, then apply or accumulate it."""
-        wave = self._registered(h)
+        wave = self._registered(h, peer)
         shard = self.shard
         shard.check_plan(h.plan)
         clock = self.clocks.clocks[wave]
@@ -437,7 +485,7 @@ class ShardService:
         if self._may_read(clock):
             return self._weights(peer, request_id, wave, clock, 0.0, action, shm)
         self.parked.append(
-            _ParkedPull(peer, request_id, wave, clock, time.monotonic(), action, shm)
+            _ParkedPull(peer.identity, request_id, wave, clock, time.monotonic(), action, shm)
         )
         self.stats[wave].parked += 1
         return None
@@ -465,20 +513,29 @@ class ShardService:
             return out
         still = []
         for p in self.parked:
-            if self._may_read(p.clock):
-                waited = time.monotonic() - p.since
-                self.stats[p.wave].parked_s += waited
+            if not self._may_read(p.clock):
+                still.append(p)
+                continue
+            waited = time.monotonic() - p.since
+            self.stats[p.wave].parked_s += waited
+            try:
                 out.append(
                     self._weights(p.peer, p.request_id, p.wave, p.clock, waited, p.action, p.shm)
                 )
-            else:
-                still.append(p)
+            except ProtocolError as e:  # e.g. its segments are gone: this pull alone fails
+                out.append(self._reject(p.peer, p.request_id, e.code, e.message, None))
         self.parked = still
         return out
 
+    def _answer_parked(self, which, code: ErrorCode, message: str) -> list[Outgoing]:
+        """Answer the parked pulls ``which(pull)`` selects with an error, and forget them."""
+        hit = [p for p in self.parked if which(p)]
+        self.parked = [p for p in self.parked if not which(p)]
+        return [Outgoing(p.peer, error_header(p.request_id, code, message)) for p in hit]
+
     def _weights(
         self,
-        peer: bytes,
+        peer: Peer | bytes,
         request_id: int,
         wave: WaveId | None,
         clock: int,
@@ -501,6 +558,7 @@ class ShardService:
                 self.policy.on_read(wave, self.shard.params)
         header = reply_header(request_id, body)
         header.keys = self.shard.keys
+        peer = peer.identity if isinstance(peer, Peer) else peer
         if shm and wave is not None:
             # the wave reads its segment before its next request: nothing else writes it meanwhile
             for view, value in zip(
@@ -512,22 +570,49 @@ class ShardService:
 
     # --- membership, admin, errors ------------------------------------------------------------
 
-    def _leave(self, wave: WaveId) -> None:
+    def _leave(self, wave: WaveId, why: str) -> list[Outgoing]:
+        """``wave`` leaves the membership: free what the shard kept for it (segments, DC-ASGD
+        copy, buffer values) and answer its parked pulls; returns those answers."""
         self.clocks.leave(wave)
+        self.owners.release(wave)
         self.policy.forget(wave)
+        self.shard.forget_wave(wave)
+        if self.segments:
+            self.segments.detach(wave)
+        return self._answer_parked(lambda p: p.wave == wave, ErrorCode.NOT_REGISTERED, why)
+
+    def _make_room_for_a_wave(self) -> None:
+        """A new wave may register while fewer than ``max_waves`` are known; waves that left or
+        were dropped (and are not connected) are forgotten first to make room."""
+        if len(self.clocks.clocks) < self.max_waves:
+            return
+        for wave in [w for w in self.clocks.clocks if w not in self.clocks.live]:
+            if not self.owners.bound(wave):
+                self.clocks.forget(wave)
+                self.stats.pop(wave, None)
+                self.owners.forget(wave)
+                if len(self.clocks.clocks) < self.max_waves:
+                    return
+        raise ProtocolError(
+            ErrorCode.LIMIT,
+            f"this shard serves at most {self.max_waves} waves (max_waves) and that many are "
+            "registered",
+        )
 
     def _wave_of(self, h: Header) -> WaveId:
         if not h.worker or h.wave < 0:
             raise ProtocolError(ErrorCode.MALFORMED, "request needs worker and wave (>= 0)")
         return (h.worker, h.wave)
 
-    def _registered(self, h: Header) -> WaveId:
+    def _registered(self, h: Header, peer: Peer) -> WaveId:
+        """The wave ``h`` names, registered here by ``peer``'s connection (else refused)."""
         wave = self._wave_of(h)
         if wave not in self.clocks.clocks:
             raise ProtocolError(
                 ErrorCode.NOT_REGISTERED,
                 f"wave {wave_name(*wave)} has not registered with this shard",
             )
+        self.owners.check(wave, peer)
         if wave in self.clocks.live:
             self.clocks.seen(wave)  # any request is a sign of life
         return wave
@@ -542,7 +627,15 @@ class ShardService:
             )
         return segments
 
-    def _check_admin(self, h: Header, body: AdminRequest) -> None:
+    def _check_admin(self, peer: Peer, h: Header, body: AdminRequest) -> None:
+        if self._admin_key:
+            # CURVE authenticated the sender's key; a token could have been read from a store
+            if not hmac.compare_digest(peer.key.encode(), self._admin_key.encode()):
+                raise ProtocolError(
+                    ErrorCode.UNAUTHORIZED,
+                    f"{h.op} is taken only from the admin client key (--curve-admin-key)",
+                )
+            return
         if not self._admin_token:
             raise ProtocolError(
                 ErrorCode.UNAUTHORIZED,
@@ -555,8 +648,8 @@ class ShardService:
                 f"{h.op} needs the shard's admin token (the run dir's admin.token)",
             )
 
-    def _reply(self, peer: bytes, h: Header, body) -> Outgoing:
-        return Outgoing(peer, reply_header(h.request_id, body))
+    def _reply(self, peer: Peer, h: Header, body) -> Outgoing:
+        return Outgoing(peer.identity, reply_header(h.request_id, body))
 
     def _reject(
         self,
@@ -589,6 +682,7 @@ class ShardService:
         path = checkpoint_path(self.config.run_dir, self.config.shard_index)
         write_checkpoint(path, state)
         self._checkpointed = (self.shard.version, time.monotonic())
+        self.checkpoint_ok_at = self._checkpointed[1]
         self.checkpoint_seconds = self._checkpointed[1] - started
         return path
 

@@ -97,8 +97,8 @@ class Shard:
         if plan != self.plan:
             raise ProtocolError(
                 ErrorCode.PLAN_MISMATCH,
-                f"sharding plan {plan!r} differs from this shard's {self.plan!r}: workers and "
-                "shards must use the same model, shard count and chunk size",
+                "sharding plan differs from this shard's: workers and shards must use the "
+                "same model, shard count and chunk size",
             )
 
     def check_push(self, keys: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
@@ -143,6 +143,14 @@ class Shard:
         }
         if values:
             self.wave_buffers[wave] = values
+
+    def forget_wave(self, wave: object) -> None:
+        """``wave`` left: its buffer values (BatchNorm statistics) no longer count in the mean.
+        Where it was the last to upload a key, its values stay as the key's base value."""
+        values = self.wave_buffers.pop(wave, None) or {}
+        for key, value in values.items():
+            if not any(key in b for b in self.wave_buffers.values()):
+                self.buffers[key] = value
 
     def apply(self, grads: dict[int, torch.Tensor], lr_scale: float = 1.0) -> None:
         """One optimizer step with ``grads`` (already validated); bumps the version."""

@@ -40,6 +40,12 @@ class ClockTable:
     def leave(self, wave: WaveId) -> None:
         self.live.discard(wave)
 
+    def forget(self, wave: WaveId) -> None:
+        """Remove every trace of ``wave`` (it left and its slot is needed)."""
+        self.leave(wave)
+        self.clocks.pop(wave, None)
+        self.last_seen.pop(wave, None)
+
     def advance(self, wave: WaveId) -> int:
         self.clocks[wave] += 1
         return self.clocks[wave]

@@ -8,9 +8,11 @@ import msgpack
 import torch
 import zmq
 
+from wavelet.common.config import JobConfig, PSConfig
 from wavelet.common.models import build_model
-from wavelet.common.protocol import PROTOCOL_VERSION, Header, decode, encode
-from wavelet.common.sharding import ShardingPlan, model_tensors
+from wavelet.common.protocol import PROTOCOL_VERSION, Header, Op, decode, encode
+from wavelet.common.sharding import ShardingPlan, chunk_view, model_tensors
+from wavelet.ps.service import ShardService
 from wavelet.worker.client import PSClient
 
 TIMEOUT_S = 20.0
@@ -85,3 +87,56 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+class ServiceWave:
+    """Frames a wave would send to a one-shard job, and the replies, through ``service.handle``."""
+
+    def __init__(self, service: ShardService, worker: str = "w0", peer: bytes = b""):
+        self.service = service
+        self.peer = peer or worker.encode()  # its connection: one per wave, as a PSClient has
+        self.model = tiny_model()
+        self.plan = ShardingPlan.for_model(self.model, 1, 4 << 20)
+        self.tensors = {n: t for n, t, _ in model_tensors(self.model)}
+        self.chunks = self.plan.for_shard(0)
+        self.worker = worker
+
+    def request(self, op: Op, tensors=(), **fields) -> Header:
+        out = self.send(op, tensors, **fields)
+        assert len(out) == 1, out
+        return reply_of(out[0])
+
+    def send(self, op: Op, tensors=(), **fields) -> list:
+        """Every message the service answers with (the reply, and pulls it released)."""
+        h = Header(op=op, worker=self.worker, wave=0, plan=self.plan.fingerprint, **fields)
+        return self.service.handle(self.peer, [bytes(f) for f in encode(h, list(tensors))])
+
+    def join(self, resume: bool = False) -> Header:
+        h = self.request(Op.REGISTER, clock=0, body={"resume": resume})
+        if not h.body["initialized"]:
+            values = [chunk_view(self.tensors[c.name].detach(), c) for c in self.chunks]
+            trainable = [c.trainable for c in self.chunks]
+            assert self.request(Op.INIT, values, keys=self.keys, body={"trainable": trainable})
+        return h
+
+    @property
+    def keys(self) -> list[int]:
+        return [c.key for c in self.chunks]
+
+    def push(self, clock: int, read: int, value: float = 0.1) -> Header:
+        grads = [torch.full((c.numel,), value) for c in self.chunks]
+        return self.request(Op.PUSH, grads, clock=clock, read_version=read, keys=self.keys)
+
+
+def reply_of(message) -> Header:
+    header, _ = decode([bytes(f) for f in encode(message.header, list(message.tensors))])
+    return header
+
+
+def service_for(tmp_path, job: dict | None = None, **ps) -> ShardService:
+    """An in-process shard of a one-shard job (asynchronous unless ``job`` says otherwise)."""
+    settings = dict(model="mlp", dataset="synthetic", shards=1, staleness=float("inf"))
+    job_config = JobConfig(**{**settings, **(job or {})})
+    return ShardService(
+        PSConfig(job=job_config, run_dir=str(tmp_path), **ps), admin_token="secret"
+    )

@@ -14,9 +14,12 @@ JOB = ["--model", "mlp", "--dataset", "synthetic", "--staleness", "inf"]
 def shard(shard_daemons):
     daemons = shard_daemons(JOB, count=1)
     model = tiny_model()
-    c = client_for(model, daemons.addresses)
+    c = client_for(model, daemons.addresses, worker="seed")  # seeds the shard's weights
     c.register(0)
     raw = RawClient(daemons.addresses[0])
+    # the bad pushes below name wave w0/0, registered on the raw client's own connection
+    joined = raw.request(Header(op=Op.REGISTER, worker="w0", wave=0, plan=c.plan.fingerprint))
+    assert joined.op == "reply", joined.body
     yield daemons, c, raw
     raw.close()
     c.close()

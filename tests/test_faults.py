@@ -3,14 +3,16 @@ that never dies; checkpoints that survive a crash at any moment."""
 
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
 import msgpack
 import pytest
 import torch
-from conftest import started, wavelet_cmd
+from conftest import started, wait_for, wavelet_cmd
 from helpers import TIMEOUT_S, RawClient, client_for, tiny_model
+from zmq.utils.monitor import recv_monitor_message
 
 from wavelet.common.config import JobConfig
 from wavelet.common.protocol import PROTOCOL_VERSION, Header, Op
@@ -109,25 +111,29 @@ def test_checkpoint_is_atomic_and_loads_tensors_only(tmp_path, monkeypatch):
 
 def test_parked_pulls_are_limited(shard_daemons):
     daemons = shard_daemons(["--staleness", "0", "--max-parked", "2"], count=1)
-    model = tiny_model()
-    clients = [client_for(model, daemons.addresses, worker=f"w{i}") for i in range(4)]
-    raw = RawClient(daemons.addresses[0])
+    seed = client_for(tiny_model(), daemons.addresses, worker="seed")
+    raws = [RawClient(daemons.addresses[0]) for _ in range(3)]
     try:
-        for c in clients:
-            c.register(0)
+        seed.register(0)
+        plan = seed.plan.fingerprint
+        for i, raw in enumerate(raws):  # each wave registers on its own connection
+            joined = raw.request(Header(op=Op.REGISTER, worker=f"w{i}", wave=0, plan=plan))
+            assert joined.op == "reply", joined.body
         # clock-5 pulls under s = 0 wait for every wave: two park, the third is refused
-        plan = clients[0].plan.fingerprint
         for i in range(2):
             h = Header(op=Op.PULL, worker=f"w{i}", wave=0, clock=5, plan=plan, request_id=1)
-            raw.sock.send_multipart([bytes(f) for f in [h.pack()]])
-        time.sleep(0.3)
-        h = Header(op=Op.PULL, worker="w2", wave=0, clock=5, plan=plan)
-        reply = raw.request(h)
+            raws[i].sock.send_multipart([h.pack()])
+        wait_for(
+            lambda: raws[2].request(Header(op=Op.STATS)).body["parked_now"] == 2,
+            TIMEOUT_S,
+            "the two pulls did not park",
+        )
+        reply = raws[2].request(Header(op=Op.PULL, worker="w2", wave=0, clock=5, plan=plan))
         assert reply.op == "error" and reply.body["code"] == "limit"
     finally:
-        raw.close()
-        for c in clients:
-            c.close()
+        for raw in raws:
+            raw.close()
+        seed.close()
 
 
 @pytest.mark.timeout(240)
@@ -216,7 +222,11 @@ def test_fuzzed_shard_never_dies_and_then_trains_normally(shard_daemons, tmp_pat
     owner.close()
 
 
-def test_lost_updates_are_counted_exactly(shard_daemons):
+@pytest.mark.parametrize("noticed", ["first", "never"])
+def test_lost_updates_are_counted_exactly(shard_daemons, noticed):
+    """A wave in flight to a shard that is killed and restarted from an older checkpoint
+    re-joins at its own clock and goes on, whether it noticed the reconnection before the
+    shard's answer ("first") or not at all ("never": the slow restart, forced here)."""
     daemons = shard_daemons(["--staleness", "inf", "--checkpoint-every", "5"], count=1)
     model = tiny_model()
     c = client_for(model, daemons.addresses, worker="w")
@@ -243,10 +253,43 @@ def test_lost_updates_are_counted_exactly(shard_daemons):
             "--run-dir",
             str(daemons.tmp),
         )
+        if noticed == "never":
+            # The push for clock 7 is queued while the shard is down and reaches the restarted
+            # shard before the client hears of the reconnection: it must not be refused as a
+            # stale clock (the shard is back at clock 5) but re-join.
+            sent = threading.Event()
+            real_send = c._try_send
+
+            def spy(*args):
+                ok = real_send(*args)
+                if ok:
+                    sent.set()
+                return ok
+
+            c._try_send = spy
+            c._on_monitor_event = lambda mon: recv_monitor_message(mon)  # heard, never noticed
+            result = {}
+            flight = threading.Thread(
+                target=lambda: result.update(r=c.push_pull(7, r.versions)), daemon=True
+            )
+            flight.start()
+            assert sent.wait(TIMEOUT_S)
         with started(restart, daemons.tmp / "restarted.log"):
-            r = c.push_pull(7, r.versions)  # in flight to the dead shard: re-joins, pulls
+            if noticed == "first":
+                # the client sees the shard come back before it sends anything to it
+                wait_for(
+                    lambda: c._watch_connections(block_ms=100) or c._restarted[0],
+                    4 * TIMEOUT_S,
+                    "the client did not see the shard come back",
+                )
+                r = c.push_pull(7, r.versions)
+            else:
+                flight.join(4 * TIMEOUT_S)
+                assert not flight.is_alive() and "r" in result, "push_pull did not re-join"
+                r = result["r"]
+                del c._try_send, c._on_monitor_event
             assert c.lost_updates == 2 and r.versions == [5]
-            r = c.push_pull(8, r.versions)  # and goes on from there
+            r = c.push_pull(8, r.versions)  # and goes on from there, once
             assert r.versions == [6]
     finally:
         c.close()

@@ -21,7 +21,9 @@ from zmq.utils.monitor import recv_monitor_message
 from wavelet.common.protocol import (
     ErrorCode,
     Header,
+    NotRegistered,
     Op,
+    RemoteError,
     ShardError,
     ShardTimeout,
     decode,
@@ -205,7 +207,10 @@ class PSClient:
         )
 
     def leave(self) -> None:
-        self._all(Op.LEAVE)
+        try:
+            self._all(Op.LEAVE)
+        except NotRegistered:
+            pass  # a shard that restarted or dropped us: there is nothing to leave
 
     def stats(self) -> list[dict]:
         return [h.body for h, _ in self._all(Op.STATS)]
@@ -239,7 +244,7 @@ class PSClient:
                 reason = f"cannot open its shared-memory segments ({e})"
             self._request_one(i, self._header(Op.ATTACH, body={"transport": "tcp"}))
         else:
-            reason = "it offers no shared memory (started with --no-shm)"
+            reason = offer.reason or "it offers no shared memory"
         if self.transport == "shm":
             raise ShardError(
                 f"--transport shm, but shard {self.addresses[i]}: {reason}; use --transport auto "
@@ -425,7 +430,11 @@ class PSClient:
             self._restarted[i] = True
 
     def _rejoin(self, i: int, recover) -> tuple[Header, list[torch.Tensor]]:
+        # The reconnection that brought us here was reported before its first reply came: take
+        # it in now, so that it does not trigger a second re-join at the next request.
+        self._watch_connections(block_ms=0)
         self._restarted[i] = False
+        self._down[i] = False
         log.warning(
             "shard %s reconnected: wave %s/%d registers again",
             self.addresses[i],
@@ -437,7 +446,7 @@ class PSClient:
     def _recover(self, i: int, clock: int) -> tuple[Header, list[torch.Tensor]]:
         """Register with shard ``i`` again at ``clock`` (seeding it if it came back empty) and
         pull its weights; counts the updates it lost (versions we saw that it no longer has)."""
-        h = self._request_one(i, self._header(Op.REGISTER, clock=clock, body={"exact": True}))
+        h = self._register_again(i, clock)
         registered = reply_body(Op.REGISTER, h)
         restored = registered.version
         lost = max(0, self.last_versions[i] - restored)
@@ -458,6 +467,21 @@ class PSClient:
             self._request_one(i, init, tensors)
         self._attach(i)  # a restarted shard made new segments (or none)
         return self._request_one_reply(i, self._header(Op.PULL, clock=clock))
+
+    def _register_again(self, i: int, clock: int) -> Header:
+        """Register at exactly ``clock``; while the shard still holds our previous connection
+        (it has not seen it close yet), wait for it to let go, within the request timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._request_one(
+                    i, self._header(Op.REGISTER, clock=clock, body={"exact": True})
+                )
+            except RemoteError as e:
+                if e.code != ErrorCode.WAVE_IN_USE or time.monotonic() > deadline:
+                    raise
+            if self.stop.wait(0.5):
+                raise StopRequested()
 
     def _request_one(self, i: int, header: Header, tensors=()) -> Header:
         return self._request_one_reply(i, header, tensors)[0]
