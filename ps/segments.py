@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from wavelet.common.config import ConfigError
 from wavelet.common.shm import (
     NoSpaceForSegments,
     Segment,
@@ -47,8 +48,9 @@ class WaveSegments:
 __all__ = ["NoSpaceForSegments", "SegmentStore", "ShardRunning", "WaveSegments"]
 
 
-class ShardRunning(RuntimeError):
-    """Another live shard already serves this run dir and shard index."""
+class ShardRunning(ConfigError):
+    """Another live shard already serves this run dir and shard index (a setting to change, so
+    the daemon exits with one line)."""
 
 
 class SegmentStore:

@@ -83,8 +83,6 @@ class ShardServer:
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         # Closed connections release the waves they registered (ps/owners.py).
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        if config.ready_file:
-            _write_atomically(Path(config.ready_file), self.address)
 
     @property
     def shard(self):
@@ -93,8 +91,12 @@ class ShardServer:
     # --- the loop ---------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
-        """Serve until ``stop()`` (a signal handler may call it) or a ``shutdown`` request."""
+        """Serve until ``stop()`` (a signal handler may call it) or a ``shutdown`` request.
+        The ready file is written here, once everything the daemon starts with (its metrics
+        endpoint too) is up, so a launcher never takes a shard that is about to fail for ready."""
         log.info("shard %d serving on %s", self.config.shard_index, self.address)
+        if self.config.ready_file:
+            _write_atomically(Path(self.config.ready_file), self.address)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S

@@ -54,6 +54,10 @@ class Budget:
         return f"{self.relative:g}x one wave's peak" if self.relative else _size(self.bytes)
 
 
+MAX_BYTES = 2**50  # 1 PiB: beyond any device's memory; larger is a typo (or 1e999 = inf)
+MAX_RELATIVE = 1000.0
+
+
 def parse_budget(text: str) -> Budget:
     """``200MB``, ``1.5GiB``, ``3e6`` (bytes) or ``1.3x`` (times one wave's peak)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
@@ -61,17 +65,24 @@ def parse_budget(text: str) -> Budget:
         raise ConfigError(f"--memory-budget {text!r}: give a size like 200MB or 1.5GiB, or 1.3x")
     value, unit = float(m.group(1)), m.group(2).lower()
     if unit == "x":
-        if value <= 0:
-            raise ConfigError(f"--memory-budget {text!r} must be above 0x")
+        if not 0 < value <= MAX_RELATIVE:
+            raise ConfigError(
+                f"--memory-budget {text!r} is out of range: give a multiple above 0x and at "
+                f"most {MAX_RELATIVE:g}x"
+            )
         return Budget(relative=value)
     if unit not in _UNITS:
         raise ConfigError(
             f"--memory-budget {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, "
             "KiB, MiB, GiB or x"
         )
-    size = int(value * _UNITS[unit])
-    if size <= 0:
-        raise ConfigError(f"--memory-budget {text!r} must be above 0 bytes")
+    size = value * _UNITS[unit]
+    if not 0 < size <= MAX_BYTES:
+        raise ConfigError(
+            f"--memory-budget {text!r} is out of range: give a size above 0 bytes and at most "
+            f"{MAX_BYTES / 2**40:g} TiB"
+        )
+    size = int(size)
     return Budget(bytes=size)
 
 

@@ -329,6 +329,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         keys = keys or run_keys
     else:
         addresses = args.addresses
+        for a in addresses:
+            if "://" not in a:  # meant as a run dir
+                raise ConfigError(f"{a}: no such directory, and not a shard address (tcp://...)")
     for a in addresses:
         check_address("shard address", a)
     if args.watch:
@@ -347,11 +350,16 @@ def _cmd_admin(args: argparse.Namespace) -> int:
         raise ConfigError("give the shards' admin token: --run-dir RUN_DIR or --token-file FILE")
     path = args.token_file or admin_token_file(args.run_dir)
     token = load_admin_token(path, create=False)
+    keys = _client_keys(args)
+    if keys is None and args.run_dir and (Path(args.run_dir) / "keys").is_dir():
+        from wavelet.common.security import JobKeys
+
+        keys = JobKeys(Path(args.run_dir) / "keys").client("launcher")  # its admin key
     op = Op.CHECKPOINT if args.action == "checkpoint" else Op.SHUTDOWN
     failed = 0
     for a in args.addresses:
         try:
-            h = call_shard(a, op, args.timeout, keys=_client_keys(args), body={"token": token})
+            h = call_shard(a, op, args.timeout, keys=keys, body={"token": token})
         except ShardError as e:
             print(f"wavelet admin: {e}", file=sys.stderr)
             failed += 1
@@ -361,13 +369,38 @@ def _cmd_admin(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_clean(args: argparse.Namespace) -> int:
+    from wavelet.common.shm import SHM_DIR, SegmentsLock, remove_segments, run_prefix
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: no such directory")
+    held = []
+    try:
+        # each live shard holds its lock: taking them all proves the job's shards are gone
+        for path in sorted(run_dir.glob("ps-*.lock")):
+            lock = SegmentsLock(path)
+            if not lock.acquire():
+                raise ConfigError(
+                    f"a shard of {run_dir} is still running (pid {lock.holder()}); stop the job "
+                    "first (it removes its segments as it stops)"
+                )
+            held.append(lock)
+        removed = remove_segments(run_prefix(run_dir))
+    finally:
+        for lock in held:
+            lock.release()
+    print(f"removed {len(removed)} shared-memory segment(s) of {run_dir} from {SHM_DIR}")
+    return 0
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
     from wavelet.common.security import JobKeys, generate_keys
 
     if args.job:
-        from wavelet.scripts.run import CURVE_CLIENT
+        from wavelet.scripts.run import CURVE_ADMIN, CURVE_CLIENT
 
-        keys = JobKeys.create(Path(args.job), [CURVE_CLIENT])
+        keys = JobKeys.create(Path(args.job), [CURVE_CLIENT, CURVE_ADMIN])
         print(f"job keys in {keys.folder}: wavelet run --curve-keys {keys.folder}")
         return 0
     if not args.names:
@@ -583,6 +616,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_client_key_flags(admin)
     admin.set_defaults(run=_cmd_admin)
+
+    clean = sub.add_parser(
+        "clean",
+        help="remove the shared-memory segments a killed job left (once none of its shards runs)",
+    )
+    clean.add_argument("run_dir", metavar="RUN_DIR", help="the job's run dir")
+    clean.set_defaults(run=_cmd_clean)
 
     keys = sub.add_parser("keys", help="make CURVE key pairs (NAME.key, NAME.key_secret)")
     keys.add_argument("names", nargs="*", metavar="NAME", help="e.g. server worker0 worker1")

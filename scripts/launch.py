@@ -53,6 +53,9 @@ class Child:
             return "(no log)"
 
 
+USAGE_ERROR = 2  # how a daemon exits when it refuses its settings (one line on stderr)
+
+
 class ChildFailed(RuntimeError):
     def __init__(self, child: Child, code: int | None, hint: str = ""):
         self.child = child
@@ -61,6 +64,15 @@ class ChildFailed(RuntimeError):
             f"{child.name} {what}; last lines of {child.log}:\n{child.tail()}"
             + (f"\n{hint}" if hint else "")
         )
+
+
+class ChildDidNotStart(ChildFailed):
+    """A daemon refused to start (a port in use, a bad setting): its own one line says why, and
+    nothing ran that a resume could go on from."""
+
+    def __init__(self, child: Child, code: int):
+        self.child = child
+        RuntimeError.__init__(self, f"{child.name} could not start: {child.tail(1).strip()}")
 
 
 def _die_with_parent() -> None:
@@ -99,13 +111,16 @@ class Job:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
             )
 
+    def all_running(self) -> bool:
+        return all(c.proc.poll() is None for c in self.children)
+
     def supervise(self, allow_exit: tuple[Child, ...] = (), say=print) -> None:
         """Restart a child that died, up to ``max_restarts`` in all; else raise ChildFailed."""
         for c in self.children:
             code = c.proc.poll()
             if code is None or (code == 0 and c in allow_exit):
                 continue
-            if self.restarts >= self.config.max_restarts:
+            if self.restarts >= self.config.max_restarts or code == USAGE_ERROR:
                 self.check(allow_exit)
             self.restart(c, code, say)
 
@@ -129,6 +144,8 @@ class Job:
     def check(self, allow_exit: tuple[Child, ...] = ()) -> None:
         for c in self.children:
             code = c.proc.poll()
+            if code == USAGE_ERROR:  # a setting it refused: its one line says which
+                raise ChildDidNotStart(c, code)
             if code is not None and (code != 0 or c not in allow_exit):
                 raise ChildFailed(c, code, self.resume_hint() if c.name.startswith("ps-") else "")
 
@@ -211,7 +228,9 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
         _say(quiet, f"run dir {run_dir}: {describe(config, job_cfg)}")
         if config.metrics_port >= 0:
             expected = len(addresses) + len(workers)
-            _say(quiet, "metrics: " + ", ".join(metrics_urls(run_dir, expected)))
+            urls = metrics_urls(run_dir, expected, alive=job.all_running)
+            job.check(allow_exit=tuple(workers))  # a daemon that could not serve them stops it
+            _say(quiet, "metrics: " + ", ".join(urls))
         board = RunBoard(run_dir / "tensorboard")
         progress = Progress(run_dir, job_cfg.epochs, since=since, board=board)
         say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
@@ -222,7 +241,12 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
             time.sleep(0.25)
             if progress.due():
                 progress.read()  # also writes the TensorBoard scalars as training goes
+                if note := progress.shared_memory_note():
+                    say(note)
                 say(progress.line(time.monotonic() - started))
+        progress.read()
+        if note := progress.shared_memory_note():  # a job too short for a progress line
+            say(note)
         summary = _finish(job, job_cfg, addresses, progress)
         _say(quiet, "\n" + format_summary(summary))
         return 0
@@ -256,11 +280,16 @@ def _metrics_port(config: LaunchConfig, index: int) -> int:
     return config.metrics_port + index if config.metrics_port > 0 else config.metrics_port
 
 
-def metrics_urls(run_dir: Path, expected: int, wait_s: float = 10.0) -> list[str]:
-    """The metrics addresses the daemons wrote (they pick them as they start)."""
+def metrics_urls(
+    run_dir: Path, expected: int, wait_s: float = 10.0, alive=lambda: True
+) -> list[str]:
+    """The metrics addresses the daemons wrote (they pick them as they start); stops waiting
+    once ``alive()`` says a daemon died."""
     folder = run_dir / "metrics"
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and len(list(folder.glob("*.url"))) < expected:
+        if not alive():
+            break
         time.sleep(0.1)
     return [f"{p.stem} {p.read_text().strip()}" for p in sorted(folder.glob("*.url"))]
 
@@ -300,6 +329,9 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:
                 str(job.keys.server_secret),
                 "--curve-authorized",
                 str(job.keys.authorized),
+                # checkpoint and shutdown: only from the launcher's own authenticated key
+                "--curve-admin-key",
+                str(job.keys.client_public("launcher")),
             ]
         if job.config.insecure:
             args.append("--insecure")
@@ -416,7 +448,10 @@ def _free_port(host: str) -> int:
 def _wait_ready(job: Job, child: Child, ready: Path) -> str:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not ready.exists():
-        job.check()
+        for c in job.children:  # a daemon that exits before it is ready stops the launch now
+            code = c.proc.poll()
+            if code is not None:
+                raise ChildDidNotStart(c, code)
         if time.monotonic() > deadline:
             raise ChildFailed(child, None)
         time.sleep(0.05)
@@ -513,6 +548,8 @@ class Progress:
         self.accuracy: float | None = None
         self.final_accuracy: float | None = None
         self.lost_updates = 0  # most updates any wave saw a restarted shard lose
+        self.tcp_reasons: list[str] = []  # why waves that could use shared memory do not
+        self._told_tcp = False
 
     def due(self) -> bool:
         if time.monotonic() < self._next:
@@ -553,6 +590,9 @@ class Progress:
                 self.board.evaluation(r.get("epoch", self.epoch) + 1, r["test_acc"], r["t"])
         if r["kind"] == "start":
             self.first_t = r["t"] if self.first_t is None else min(self.first_t, r["t"])
+            self.tcp_reasons += [
+                f"{wave} to {shard}: {why}" for shard, why in r.get("tcp_reasons", {}).items()
+            ]
         elif r["kind"] == "step":
             self.samples += r["samples"]
             self.steps += 1
@@ -564,6 +604,15 @@ class Progress:
             self.accuracy = r["test_acc"]
         elif r["kind"] == "final":
             self.final_accuracy = r["test_acc"]
+
+    def shared_memory_note(self) -> str:
+        """Once, the first time waves fell back to TCP on a full shared-memory folder: one line
+        saying why and what to do ("" otherwise)."""
+        full = [r for r in self.tcp_reasons if "--shm-size" in r]
+        if self._told_tcp or not full:
+            return ""
+        self._told_tcp = True
+        return f"shared memory is full; {len(full)} wave link(s) use TCP instead ({full[0]})"
 
     def elapsed(self) -> float:
         if self.first_t is None or self.last_t is None:

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 STORE_TIMEOUT_S = 300.0
 CURVE_CLIENT = "worker"  # the client key every worker of a torchrun job uses (wavelet keys --job)
+CURVE_ADMIN = "admin"  # the only client key whose checkpoint and shutdown the shards obey
 
 
 def _job_keys(options):
@@ -161,6 +162,19 @@ def open_store(role: Role):
     )
 
 
+def _wait_for_stragglers(store, keys: list[str], note_every_s: float = 300.0) -> None:
+    """Wait for every worker's done key, however late: a straggler is slow, not failed (a dead
+    one makes torchrun stop the whole group). Says every few minutes whom it still waits for,
+    instead of timing out with a traceback."""
+    last_note = time.monotonic()
+    while not store.check(keys):
+        if time.monotonic() - last_note >= note_every_s:
+            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+            print(f"wavelet run: still waiting for worker(s) {', '.join(missing)}", flush=True)
+            last_note = time.monotonic()
+        time.sleep(0.5)
+
+
 def _key(role: Role, name: str) -> str:
     return f"wavelet/{role.restart}/{name}"  # a restarted group starts a fresh set of keys
 
@@ -202,6 +216,7 @@ def _shard(job, role, layout, index, store, run_dir, options) -> int:
         admin_token_file=str(token_file),
         curve_secret=str(keys.server_secret) if keys else "",
         curve_authorized=str(keys.authorized) if keys else "",
+        curve_admin_key=_admin_public_key(keys),
     )
     torch.set_num_threads(1)
     try:
@@ -215,6 +230,14 @@ def _shard(job, role, layout, index, store, run_dir, options) -> int:
     _on_signals(server.stop)
     server.serve_forever()
     return 0
+
+
+def _admin_public_key(keys) -> str:
+    """The admin client's public key file of a job's CURVE keys ("" for keys made before
+    there was one: the store's token is then what authorizes)."""
+    if keys is None or not keys.client_public(CURVE_ADMIN).exists():
+        return ""
+    return str(keys.client_public(CURVE_ADMIN))
 
 
 def _admin_token(role: Role, store) -> str:
@@ -288,11 +311,14 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
     code = result[0] if result else 1
     store.set(_key(role, "done/0"), str(code))
     done = [_key(role, f"done/{r}") for r in range(layout.workers)]
-    store.wait(done)
+    _wait_for_stragglers(store, done)
     if any(int(store.get(k)) != 0 for k in done):
         print("wavelet run: a worker failed; see its log", file=sys.stderr)
         return 1
-    client_keys = keys.client(CURVE_CLIENT) if keys else None
+    # with CURVE, the admin key (not the token in the store) lets worker 0 stop the shards
+    client_keys = None
+    if keys:
+        client_keys = keys.client(CURVE_ADMIN if _admin_public_key(keys) else CURVE_CLIENT)
     summary = summarize(
         Path(run_dir),
         "ps (torchrun)",

@@ -97,11 +97,20 @@ def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
 def run_dir_shards(run_dir: Path):
     """The shard addresses a ``wavelet launch`` run dir records (``ps-<i>.addr``, written as each
     shard starts listening), and the launcher's CURVE keys if the job has them."""
-    found = sorted(run_dir.glob("ps-*.addr"), key=lambda p: int(p.stem.split("-")[1]))
+    found = sorted(
+        (p for p in run_dir.glob("ps-*.addr") if p.stem.split("-")[1].isdigit()),
+        key=lambda p: int(p.stem.split("-")[1]),
+    )
     if not found:
         raise ConfigError(f"{run_dir} records no shard addresses (ps-<i>.addr): not a PS run dir?")
     keys = JobKeys(run_dir / "keys").client("launcher") if (run_dir / "keys").is_dir() else None
-    return [p.read_text().strip() for p in found], keys
+    addresses = []
+    for p in found:
+        try:
+            addresses.append(p.read_text().strip())
+        except (OSError, UnicodeDecodeError):
+            raise ConfigError(f"{p} holds no shard address; is {run_dir} a run dir?") from None
+    return addresses, keys
 
 
 def watch(addresses: list[str], every_s: float, timeout_s: float = 5.0, keys=None) -> int:

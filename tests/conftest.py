@@ -21,7 +21,9 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 from zmq.utils.garbage import gc as zmq_garbage  # noqa: E402
 
+from wavelet.common.records import last_record  # noqa: E402
 from wavelet.common.shm import SHM_DIR, remove_segments, run_prefix  # noqa: E402
+from wavelet.ps.checkpoints import checkpoint_path, read_checkpoint  # noqa: E402
 
 # Tests and the daemons they start share two cores: one torch thread each.
 torch.set_num_threads(1)
@@ -57,6 +59,19 @@ def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.1) -> No
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(every_s)
+
+
+def between_checkpoints(run_dir: Path, shard: int = 0, low: int = 5, high: int = 30) -> bool:
+    """Shard ``shard`` applied ``low``..``high`` updates after its last checkpoint: a kill now
+    loses some (and lands well before the next one of an every-60 schedule)."""
+    logged = last_record(Path(run_dir) / "records" / f"ps-{shard}-pushes.jsonl")
+    try:
+        state = read_checkpoint(checkpoint_path(run_dir, shard))
+    except Exception:  # being replaced right now: look again
+        return False
+    if not (logged and state):
+        return False
+    return low <= logged["version"] - state["version"] <= high
 
 
 def _children_of(pid: int) -> list[int]:
@@ -131,6 +146,13 @@ class ShardDaemons:
         self._stack = []
 
     def __enter__(self) -> ShardDaemons:
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__(None, None, None)  # stop the shards that did start
+            raise
+
+    def _start(self) -> ShardDaemons:
         readies = []
         for i in range(self.count):
             ready = self.tmp / f"ps-{i}.addr"

@@ -4,11 +4,10 @@ dies, SIGTERM to each daemon; nothing is left running afterwards."""
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
-from conftest import kill_tree, run_wavelet, started, wait_for, wavelet_cmd
+from conftest import between_checkpoints, kill_tree, run_wavelet, started, wait_for, wavelet_cmd
 
 from wavelet.common import shm
 from wavelet.common.records import last_record, read_records
@@ -171,9 +170,7 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
 def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp_path):
     cm, proc, run_dir = _start_launcher(tmp_path, "--epochs", "40", "--checkpoint-every", "60")
     try:
-        checkpoint = run_dir / "checkpoints" / "shard-0.pt"
-        wait_for(checkpoint.exists, 90, "no checkpoint was written")
-        time.sleep(1.0)  # some updates after it
+        wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
         os.kill(_one_process(run_dir, b"--shard-index\x000"), signal.SIGKILL)
         assert proc.wait(30) == 1
         log = (tmp_path / "launch.log").read_text()
@@ -184,7 +181,7 @@ def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp
         cm.__exit__(None, None, None)
     # what the killed shard applied after its last checkpoint is lost; the other stopped cleanly
     logged = last_record(run_dir / "records" / "ps-0-pushes.jsonl")["version"]
-    kept = read_checkpoint(checkpoint)["version"]
+    kept = read_checkpoint(run_dir / "checkpoints" / "shard-0.pt")["version"]
     assert logged > kept
     done = run_wavelet("launch", "--resume", str(run_dir), timeout=200)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -206,9 +203,7 @@ def test_launch_restarts_a_killed_shard_and_the_job_finishes(tmp_path):
         tmp_path, "--epochs", "30", "--checkpoint-every", "60", "--max-restarts", "1"
     )
     try:
-        checkpoint = run_dir / "checkpoints" / "shard-0.pt"
-        wait_for(checkpoint.exists, 90, "no checkpoint was written")
-        time.sleep(1.0)  # some updates after it
+        wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
         os.kill(_one_process(run_dir, b"--shard-index\x000"), signal.SIGKILL)
         assert proc.wait(200) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     finally:

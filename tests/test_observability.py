@@ -2,7 +2,6 @@
 the shards' own statistics and the run's JSON records."""
 
 import json
-import time
 import urllib.request
 
 import pytest
@@ -12,6 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from wavelet.common.protocol import Op
 from wavelet.common.records import read_records
 from wavelet.worker.client import call_shard
+
+
+def _total(scraped: dict, name: str) -> float:
+    return sum(scraped.get(name, {}).values())
 
 
 def _scrape(url: str) -> dict[str, dict[tuple, float]]:
@@ -36,7 +39,15 @@ def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
         worker_url = (urls / "worker-0.url").read_text().strip()
         assert shard_url.startswith("http://127.0.0.1:")  # binds like the shard: loopback
         address = (run_dir / "ps-0.addr").read_text().strip()
-        wait_for(lambda: _scrape(shard_url).get("wavelet_shard_pushes_total"), 60, "no pushes yet")
+        shard0 = (("shard", "0"),)
+        updates = "wavelet_shard_updates_total"
+        # registered waves show 0 pushes at first: wait until both counters really moved
+        wait_for(
+            lambda: _total(_scrape(shard_url), "wavelet_shard_pushes_total") > 0
+            and _scrape(shard_url).get(updates, {}).get(shard0, 0) > 0,
+            120,
+            "no pushes yet",
+        )
         before = call_shard(address, Op.STATS).body["waves"]
         first = _scrape(shard_url)
         after = call_shard(address, Op.STATS).body["waves"]
@@ -50,19 +61,29 @@ def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
                 if dict(k)["wave"] == wave
             }
             assert buckets["+Inf"] == count
-        time.sleep(1.5)
-        second = _scrape(shard_url)
-        for labels, count in first["wavelet_shard_pushes_total"].items():
-            assert second["wavelet_shard_pushes_total"][labels] > count, "pushes did not rise"
-        shard0 = (("shard", "0"),)
-        updates = "wavelet_shard_updates_total"
-        assert second[updates][shard0] > first[updates][shard0] > 0
+        assert first[updates][shard0] > 0
+
+        def risen(url, name, then) -> bool:
+            now = _scrape(url)[name]
+            return all(now[labels] > value for labels, value in then[name].items())
+
+        wait_for(
+            lambda: risen(shard_url, "wavelet_shard_pushes_total", first)
+            and risen(shard_url, updates, first),
+            60,
+            "pushes and updates did not rise",
+        )
         w1 = _scrape(worker_url)
-        time.sleep(1.5)
+        assert {dict(labels)["wave"] for labels in w1["wavelet_worker_samples_total"]} == {
+            "w0/0",
+            "w0/1",
+        }
+        wait_for(
+            lambda: risen(worker_url, "wavelet_worker_samples_total", w1),
+            60,
+            "the worker's samples did not rise",
+        )
         w2 = _scrape(worker_url)
-        for labels, samples in w1["wavelet_worker_samples_total"].items():
-            assert w2["wavelet_worker_samples_total"][labels] > samples
-            assert dict(labels)["wave"] in ("w0/0", "w0/1")
         assert w2["wavelet_worker_forward_seconds_total"]
         # wavelet stats finds the shards from the run dir
         done = run_wavelet("stats", str(run_dir), timeout=60)

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import zmq
+from conftest import wait_for
 from helpers import TIMEOUT_S, RawClient, client_for, tiny_model
 
 from wavelet.common.protocol import Header, Op, decode, encode
@@ -47,7 +48,13 @@ def test_unread_replies_delay_no_one_and_never_carry_torn_weights(shard_daemons)
         seen[pulled.versions[0]] = {n: t.detach().clone() for n, t in wave.tensors.items()}
         for i in range(6):
             _observer_pull(hostile, plan, 100 + i)
-        time.sleep(0.5)  # let those replies fill the pipes
+        # those replies fill every buffer on the way: the shard refuses the reads beyond its
+        # per-client budget of unsent replies
+        wait_for(
+            lambda: heart.request(Header(op=Op.STATS)).body["rejected"] >= 1,
+            TIMEOUT_S,
+            "the shard never refused the reader that does not read",
+        )
         for clock in range(12):
             for p in model.parameters():
                 p.grad = torch.full_like(p, 0.01 * (clock + 1))

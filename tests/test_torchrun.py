@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHILD_ENV, descendants, started, wait_for
+from conftest import CHILD_ENV, between_checkpoints, descendants, started, wait_for
 
 from wavelet.common import shm
 from wavelet.scripts.cli import build_parser
@@ -170,9 +170,7 @@ def test_torchrun_restarts_the_group_after_a_shard_is_killed(tmp_path):
         str(run_dir),
     ]
     with started(cmd, tmp_path / "torchrun.log", start_new_session=True) as proc:
-        checkpoint = run_dir / "checkpoints" / "shard-0.pt"
-        wait_for(checkpoint.exists, 90, "no checkpoint was written")
-        time.sleep(1.0)
+        wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
         shard = [
             p
             for p in descendants(proc.pid)

@@ -98,12 +98,14 @@ class AllReduceWorker:
         )
         started = time.monotonic()
         iteration = 0
+        ended = False  # training ran to its end (or a requested stop): evaluate then, else not
         try:
             for epoch in range(job.epochs if job.epochs else 1 << 30):
                 ddp.train()
                 seed = job.seed + 7919 * rank
                 for x, y in part.batches(job.batch_size, epoch, seed):
                     if self._should_stop(started, device):
+                        ended = True
                         return 0
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     meter.tracing = iteration < job.memory_trace_iters
@@ -158,11 +160,12 @@ class AllReduceWorker:
                         }
                     )
                 records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
+            ended = True
             return 0
         finally:
             if endpoint is not None:
                 endpoint.stop()
-            if rank == 0:
+            if rank == 0 and ended:  # after a failure, the error is what matters, not a score
                 records.write(
                     {
                         "kind": "final",

@@ -116,6 +116,7 @@ class PSClient:
         self.lost_updates = 0
         self.transport = transport
         self.shm: list[ShmLink | None] = [None] * len(self.sockets)  # per shard, once attached
+        self.tcp_reasons: dict[str, str] = {}  # shard address -> why it is reached over TCP
 
     # --- operations ---------------------------------------------------------------------------
 
@@ -235,6 +236,7 @@ class PSClient:
         if self.shm[i] is not None:
             self.shm[i].close()
             self.shm[i] = None
+        self.tcp_reasons.pop(self.addresses[i], None)
         offer = reply_body(Op.ATTACH, self._request_one(i, self._header(Op.ATTACH)))
         if offer.transport == "shm":
             try:
@@ -250,6 +252,7 @@ class PSClient:
                 f"--transport shm, but shard {self.addresses[i]}: {reason}; use --transport auto "
                 "to fall back to TCP"
             )
+        self.tcp_reasons[self.addresses[i]] = reason
         log.info(
             "wave %s/%d talks to shard %s over TCP: %s",
             self.worker,

@@ -158,6 +158,7 @@ class Wave:
                 "wave_name": ident.name,
                 "device": str(self.device),
                 "device_index": self.config.device_index,
+                "tcp_reasons": client.tcp_reasons,  # shards reached over TCP on this host, why
             }
         )
         started = time.monotonic()

@@ -1,0 +1,183 @@
+"""Small failures a new user met: each ends in one clear line, never a traceback or a wrong
+action. Token files, a busy metrics port, odd budgets, odd run dirs, leftovers of a killed job,
+a second shard of the same run dir, and the fixtures' own cleanup."""
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import conftest
+import pytest
+from conftest import ShardDaemons, run_wavelet, wait_for
+
+from wavelet.common.config import ConfigError
+from wavelet.common.security import load_admin_token, write_private
+from wavelet.common.shm import SHM_DIR, run_prefix
+
+
+def _one_line(done: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert done.returncode == code, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+# --- the admin token ---------------------------------------------------------------------------
+
+
+def test_a_token_file_others_can_read_is_refused(tmp_path):
+    token = write_private(tmp_path / "admin.token", "0123")
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    token.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_admin_token(token, create=False)
+    line = _one_line(
+        run_wavelet(
+            "admin", "shutdown", "tcp://127.0.0.1:1", "--token-file", str(token), timeout=60
+        )
+    )
+    assert "chmod 600" in line
+
+
+def test_private_files_never_follow_a_link_or_keep_a_loose_mode(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    link = tmp_path / "admin.token"
+    link.symlink_to(victim)
+    write_private(link, "secret")  # replaces the link itself
+    assert victim.read_text() == "keep me"
+    assert not link.is_symlink() and stat.S_IMODE(link.stat().st_mode) == 0o600
+    loose = tmp_path / "loose"
+    loose.write_text("old")
+    loose.chmod(0o666)
+    write_private(loose, "new")
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o600 and loose.read_text() == "new\n"
+
+
+# --- a launch whose daemon cannot start ---------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_busy_metrics_port_stops_the_launch_at_once_with_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run_wavelet(
+            "launch", "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port), timeout=100
+        )
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not start" in lines[0] and str(port) in lines[0], lines
+    assert "checkpoint" not in done.stderr  # no resume hint: nothing ran
+    assert "metrics:" not in done.stdout  # no empty list of addresses first
+
+
+@pytest.mark.timeout(120)
+def test_metrics_are_served_at_their_path_only(tmp_path, shard_daemons):
+    daemons = shard_daemons(["--metrics-port", "0"], count=1)
+    log = daemons.tmp / "ps-0.log"
+    wait_for(lambda: "metrics at http" in log.read_text(), 60, "no metrics address logged")
+    url = log.read_text().split("metrics at ")[1].split()[0]
+    assert urllib.request.urlopen(url, timeout=10).status == 200
+    for other in ("/", "/metric", "/metrics/x", "/favicon.ico"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url.replace("/metrics", other), timeout=10)
+        assert e.value.code == 404
+
+
+# --- odd values ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["1e999", "1e999x", "5000x", "2e16GiB"])
+def test_an_absurd_memory_budget_is_out_of_range(budget, tmp_path):
+    line = _one_line(
+        run_wavelet("compare", "--memory-budget", budget, "--out", str(tmp_path), timeout=60)
+    )
+    assert "out of range" in line
+
+
+def test_stats_of_odd_run_dirs_is_one_line(tmp_path):
+    line = _one_line(run_wavelet("stats", str(tmp_path / "missing"), timeout=60))
+    assert "no such directory" in line
+    (tmp_path / "ps-0.addr").write_bytes(b"\xff\xfe\x00garbage")
+    line = _one_line(run_wavelet("stats", str(tmp_path), timeout=60))
+    assert "ps-0.addr" in line
+
+
+# --- leftovers of a killed job ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_clean_removes_a_killed_jobs_segments_and_refuses_while_it_runs(tmp_path):
+    from helpers import client_for, tiny_model
+
+    daemons = ShardDaemons(tmp_path, ["--staleness", "inf"], count=1).__enter__()
+    prefix = run_prefix(daemons.tmp)
+    try:
+        wave = client_for(tiny_model(), daemons.addresses)
+        wave.register(0)  # attaches: two segments
+        assert len(list(SHM_DIR.glob(prefix + "*"))) == 2
+        line = _one_line(run_wavelet("clean", str(daemons.tmp), timeout=60))
+        assert "still running" in line
+        assert len(list(SHM_DIR.glob(prefix + "*"))) == 2
+        wave.close()
+        os.kill(daemons.procs[0].pid, 9)
+        daemons.procs[0].wait(10)
+        assert len(list(SHM_DIR.glob(prefix + "*"))) == 2  # a kill -9 leaves them
+        done = run_wavelet("clean", str(daemons.tmp), timeout=60)
+        assert done.returncode == 0 and "removed 2" in done.stdout, done.stderr
+        assert not list(SHM_DIR.glob(prefix + "*"))
+    finally:
+        daemons.__exit__(None, None, None)
+
+
+@pytest.mark.timeout(120)
+def test_a_second_shard_of_the_same_run_dir_leaves_the_live_ones_segments(shard_daemons):
+    from helpers import client_for, tiny_model
+
+    daemons = shard_daemons(["--staleness", "inf"], count=1)
+    wave = client_for(tiny_model(), daemons.addresses)
+    try:
+        wave.register(0)
+        prefix = run_prefix(daemons.tmp)
+        before = sorted(SHM_DIR.glob(prefix + "*"))
+        assert len(before) == 2
+        line = _one_line(
+            run_wavelet(
+                "ps", "--run-dir", str(daemons.tmp), "--bind", "tcp://127.0.0.1:0", timeout=60
+            )
+        )
+        assert "already running" in line
+        assert sorted(SHM_DIR.glob(prefix + "*")) == before
+        wave.pull(0)  # and the live wave still reads through them
+    finally:
+        wave.close()
+
+
+# --- the fixtures -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_shard_fixtures_stop_the_shards_that_started_when_a_later_one_fails(
+    tmp_path, monkeypatch
+):
+    real_started = conftest.started
+    calls = []
+
+    def second_fails(cmd, log, **kwargs):
+        calls.append(cmd)
+        if len(calls) == 2:
+            cmd = [sys.executable, "-c", "raise SystemExit('shard 1 cannot start')"]
+        return real_started(cmd, log, **kwargs)
+
+    monkeypatch.setattr(conftest, "started", second_fails)
+    daemons = ShardDaemons(tmp_path, [], count=2)
+    with pytest.raises(RuntimeError, match="cannot start"):
+        daemons.__enter__()
+    assert daemons.procs[0].poll() is not None, "the first shard was left running"
