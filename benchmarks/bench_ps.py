@@ -10,8 +10,9 @@ side by side in one run, in alternating rounds, reported as medians with ratios:
   same number of bytes (DEALER/ROUTER, zero-copy, no protocol, no optimizer).
 - gloo all_reduce: the tensor all-reduced between 2 processes (what DDP does with gradients).
 - with ``--curve``: the wavelet PS round trip again, with CURVE encryption and authentication.
-- with ``--slow-reader``: the wavelet PS round trip again, on shards that a second client keeps
-  sending weight replies it never reads (the shards must neither wait for it nor tear a reply).
+- with ``--slow-reader N [N ...]``: the wavelet PS round trip again, on shards that N other
+  clients keep sending weight replies they never read (the shards must neither wait for them
+  nor tear a reply; target: within 1.2x of the plain TCP round trip).
 
 Run: ``python benchmarks/bench_ps.py`` (``--help`` for sizes and repeats).
 """
@@ -178,20 +179,33 @@ class WaveletPS:
         wave[1] = client.push_pull(clock, pulled.versions)
         wave[2] = clock + 1
 
-    def add_slow_reader(self, pulls: int = 6) -> None:
-        """A client per shard that asks for the weights ``pulls`` times and never reads."""
+    def add_slow_readers(self, readers: int, pulls: int = 6) -> None:
+        """``readers`` clients per shard that each ask for the weights ``pulls`` times and
+        never read."""
         self.slow = []
         for address in self.addresses:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 1)
-            sock.connect(address)
-            for i in range(pulls):
-                h = Header(op=Op.PULL, request_id=i + 1, plan=self.client.plan.fingerprint)
-                h.body = {"observer": True}
-                sock.send_multipart([bytes(f) for f in encode(h)])
-            self.slow.append(sock)
-        time.sleep(0.5)  # the replies fill every buffer between the shards and it
+            for _ in range(readers):
+                sock = zmq.Context.instance().socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 1)
+                sock.connect(address)
+                for i in range(pulls):
+                    h = Header(op=Op.PULL, request_id=i + 1, plan=self.client.plan.fingerprint)
+                    h.body = {"observer": True}
+                    sock.send_multipart([bytes(f) for f in encode(h)])
+                self.slow.append(sock)
+        time.sleep(0.5)  # the replies fill every buffer between the shards and them
+
+    def keep_asking(self) -> None:
+        """Each non-reader asks once more, so every timed step meets fresh refusals."""
+        h = Header(op=Op.PULL, request_id=99, plan=self.client.plan.fingerprint)
+        h.body = {"observer": True}
+        frames = [bytes(f) for f in encode(h)]
+        for sock in self.slow:
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def close(self) -> None:
         for sock in getattr(self, "slow", []):
@@ -255,6 +269,10 @@ class Gloo:
             p.join(30)
 
 
+def _slow_row(readers: int) -> str:
+    return f"wavelet PS push+pull, {readers} client(s) per shard never read"
+
+
 def _timed(step, iters: int) -> list[float]:
     times = []
     for _ in range(iters):
@@ -277,8 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--slow-reader",
-        action="store_true",
-        help="also time push+pull while another client never reads its weight replies",
+        type=int,
+        nargs="*",
+        metavar="N",
+        help="also time push+pull while N other clients per shard never read their weight "
+        "replies (one row per N; no N: 1)",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -292,20 +313,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.curve:
         times["wavelet PS push+pull, CURVE"] = []
-    if args.slow_reader:
-        times["wavelet PS push+pull, a client never reads"] = []
+    readers = [] if args.slow_reader is None else (args.slow_reader or [1])
+    for n in readers:
+        times[_slow_row(n)] = []
     with tempfile.TemporaryDirectory() as tmp:
         ps = WaveletPS(args.shards, args.numel, Path(tmp))
         shm_step = ps.step_over("shm")
         secure = WaveletPS(args.shards, args.numel, Path(tmp), curve=True) if args.curve else None
-        slowed = None
-        if args.slow_reader:
-            slowed = WaveletPS(args.shards, args.numel, Path(tmp) / "slow")
-            slowed.add_slow_reader()
+        slowed = {}
+        for n in readers:
+            slowed[n] = WaveletPS(args.shards, args.numel, Path(tmp) / f"slow-{n}")
+            slowed[n].add_slow_readers(n)
         raw = RawZmq(args.shards, per_shard)
         gloo = Gloo(args.numel, args.iters)
         try:
-            extra = tuple(x.step for x in (secure, slowed) if x)
+            extra = tuple(x.step for x in (secure, *slowed.values()) if x)
             for step in (shm_step, ps.step, raw.step, *extra):
                 # warm-up: first touches page in buffers
                 _timed(step, 2)
@@ -315,15 +337,19 @@ def main(argv: list[str] | None = None) -> int:
                 times["wavelet PS push+pull, TCP"] += _timed(ps.step, args.iters)
                 if secure:
                     times["wavelet PS push+pull, CURVE"] += _timed(secure.step, args.iters)
-                if slowed:
-                    t = _timed(slowed.step, args.iters)
-                    times["wavelet PS push+pull, a client never reads"] += t
+                for n, slow in slowed.items():
+
+                    def step(slow=slow):
+                        slow.keep_asking()
+                        slow.step()
+
+                    times[_slow_row(n)] += _timed(step, args.iters)
                 gloo_times = gloo.round()
                 times["gloo all_reduce (2 procs)"] += gloo_times if r else gloo_times[2:]
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             ps.close()
-            for extra_ps in (secure, slowed):
+            for extra_ps in (secure, *slowed.values()):
                 if extra_ps:
                     extra_ps.close()
             raw.close()

@@ -204,8 +204,7 @@ def check_private(path: Path) -> None:
     st = os.stat(path)
     if st.st_mode & 0o077:
         raise ConfigError(
-            f"{path} can be read by other users (mode {st.st_mode & 0o777:o}): "
-            f"chmod 600 {path}"
+            f"{path} can be read by other users (mode {st.st_mode & 0o777:o}): chmod 600 {path}"
         )
     if st.st_uid != os.getuid():
         raise ConfigError(f"{path} belongs to another user; use a token file of your own")

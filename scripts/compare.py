@@ -1,7 +1,9 @@
 """``wavelet compare``: one job in several modes, one after another, side by side.
 
-Modes: tick-tock on the PS, one wave per device, two waves started together (no baton),
-bulk-synchronous PS, and all-reduce data parallel (one rank per device, or two). Writes
+Modes (``MODES`` below, 10 of them): tick-tock on the PS (over shared memory, over TCP, and with
+the thread pool sized for one wave), one wave per device, two waves started together (no baton),
+two worker processes per device, bulk-synchronous tick-tock, and all-reduce data parallel (one
+rank per device, two, or one with activation checkpointing). Writes
 ``report.md`` (one table, a row per mode), ``accuracy.png``, ``memory.png``, ``metrics.json`` and
 each mode's full run directory with the raw records behind every number.
 """

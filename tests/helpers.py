@@ -137,6 +137,4 @@ def service_for(tmp_path, job: dict | None = None, **ps) -> ShardService:
     """An in-process shard of a one-shard job (asynchronous unless ``job`` says otherwise)."""
     settings = dict(model="mlp", dataset="synthetic", shards=1, staleness=float("inf"))
     job_config = JobConfig(**{**settings, **(job or {})})
-    return ShardService(
-        PSConfig(job=job_config, run_dir=str(tmp_path), **ps), admin_token="secret"
-    )
+    return ShardService(PSConfig(job=job_config, run_dir=str(tmp_path), **ps), admin_token="secret")

@@ -43,8 +43,10 @@ def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
         updates = "wavelet_shard_updates_total"
         # registered waves show 0 pushes at first: wait until both counters really moved
         wait_for(
-            lambda: _total(_scrape(shard_url), "wavelet_shard_pushes_total") > 0
-            and _scrape(shard_url).get(updates, {}).get(shard0, 0) > 0,
+            lambda: (
+                _total(_scrape(shard_url), "wavelet_shard_pushes_total") > 0
+                and _scrape(shard_url).get(updates, {}).get(shard0, 0) > 0
+            ),
             120,
             "no pushes yet",
         )
@@ -68,8 +70,10 @@ def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
             return all(now[labels] > value for labels, value in then[name].items())
 
         wait_for(
-            lambda: risen(shard_url, "wavelet_shard_pushes_total", first)
-            and risen(shard_url, updates, first),
+            lambda: (
+                risen(shard_url, "wavelet_shard_pushes_total", first)
+                and risen(shard_url, updates, first)
+            ),
             60,
             "pushes and updates did not rise",
         )

@@ -164,9 +164,7 @@ def test_a_second_shard_of_the_same_run_dir_leaves_the_live_ones_segments(shard_
 
 
 @pytest.mark.timeout(120)
-def test_shard_fixtures_stop_the_shards_that_started_when_a_later_one_fails(
-    tmp_path, monkeypatch
-):
+def test_shard_fixtures_stop_the_shards_that_started_when_a_later_one_fails(tmp_path, monkeypatch):
     real_started = conftest.started
     calls = []
 

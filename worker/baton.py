@@ -1,10 +1,12 @@
 """ForwardBaton: the waves of one device take turns at their memory-heavy forward passes.
 
-A wave may start a forward only while it holds the baton, and passes it to the next wave when its
-forward ends; backward, push and pull need no baton. Turns go tick, tock, tick, ... so tock's first
-forward starts when tick's first forward ends: that is the half-cycle offset. Forwards never
-overlap. A wave whose turn it is but which does not come for ``timeout_s`` (dead or stalled)
-loses its turn, and the others go on without it.
+A wave may start a forward only while it holds the baton, and passes it to the next wave when it
+calls ``release``; backward, push and pull need no baton. The wave decides when: by default during
+its backward, once all but ``baton_handoff`` (0.3) of its forward's saved activations are freed
+(worker/wave.py), or at the end of its forward with ``baton_handoff = 1.0``, as in the paper.
+Turns go tick, tock, tick, ... so tock's first forward starts half a cycle after tick's: that is
+the offset. Forwards never overlap. A wave whose turn it is but which does not come for
+``timeout_s`` (dead or stalled) loses its turn, and the others go on without it.
 """
 
 from __future__ import annotations

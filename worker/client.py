@@ -125,7 +125,9 @@ class PSClient:
         for us); seeds uninitialised shards with our weights. Returns each shard's clock for us."""
         replies = [
             reply_body(Op.REGISTER, h)
-            for h, _ in self._all(Op.REGISTER, clock=clock, body={"resume": resume})
+            for h, _ in self._while_in_use(
+                lambda: self._all(Op.REGISTER, clock=clock, body={"resume": resume})
+            )
         ]
         if resume:  # updates the shards applied before the stop that their checkpoints missed
             self.lost_updates += sum(r.lost_updates for r in replies)
@@ -472,17 +474,23 @@ class PSClient:
         return self._request_one_reply(i, self._header(Op.PULL, clock=clock))
 
     def _register_again(self, i: int, clock: int) -> Header:
-        """Register at exactly ``clock``; while the shard still holds our previous connection
-        (it has not seen it close yet), wait for it to let go, within the request timeout."""
+        """Register with shard ``i`` at exactly ``clock``."""
+        header = self._header(Op.REGISTER, clock=clock, body={"exact": True})
+        return self._while_in_use(lambda: self._request_one(i, header))
+
+    def _while_in_use(self, register):
+        """Call ``register()`` until no shard answers ``wave_in_use``: a shard that has not yet
+        seen our previous connection close (a restarted worker whose old host vanished without
+        closing it) lets go when it does, or when it drops that connection's wave for silence;
+        waits within the request timeout."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                return self._request_one(
-                    i, self._header(Op.REGISTER, clock=clock, body={"exact": True})
-                )
+                return register()
             except RemoteError as e:
                 if e.code != ErrorCode.WAVE_IN_USE or time.monotonic() > deadline:
                     raise
+                log.info("wave %s/%d: %s; trying again", self.worker, self.wave, e.message)
             if self.stop.wait(0.5):
                 raise StopRequested()
 
