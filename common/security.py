@@ -214,6 +214,7 @@ def load_admin_token(path: str | Path, create: bool = True) -> str:
     """The token in ``path``; with ``create``, a new one is written there first if none is."""
     path = Path(path)
     if create and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         _new_private_file(tmp, secrets.token_hex(32))
         try:

@@ -44,6 +44,13 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
     assert "chmod 600" in line
 
 
+def test_a_new_token_is_made_private_in_a_folder_not_made_yet(tmp_path):
+    token = load_admin_token(tmp_path / "new" / "run" / "admin.token")
+    path = tmp_path / "new" / "run" / "admin.token"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text().strip() == token
+    assert load_admin_token(path) == token  # made once, then read
+
+
 def test_private_files_never_follow_a_link_or_keep_a_loose_mode(tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("keep me")
