@@ -50,6 +50,7 @@ class ShardServer:
         check_bind(config.bind, secure=bool(config.curve_secret), insecure=config.insecure)
         self._sending: dict[bytes, list[zmq.MessageTracker]] = defaultdict(list)
         self._grace_left = GC_GRACE_PER_TURN_S
+        self._refused: set[bytes] = set()  # peers refused for unread replies, until they read
         self._peer_fd: dict[bytes, int] = {}  # connection of each peer, to notice it close
         self.bytes_in = 0  # over ZeroMQ (shared-memory tensors are not counted here)
         self.bytes_out = 0
@@ -166,6 +167,7 @@ class ShardServer:
             for identity in [i for i, f in self._peer_fd.items() if f == fd]:
                 del self._peer_fd[identity]
                 self._sending.pop(identity, None)
+                self._refused.discard(identity)
                 self._send_all(self.service.connection_closed(identity))
 
     # --- sending ------------------------------------------------------------------------------
@@ -184,9 +186,9 @@ class ShardServer:
             # A tracker turns done only once pyzmq's garbage-collector thread has run, which this
             # loop (holding the GIL) can delay: give it a moment before calling a client a
             # non-reader, or an honest client with replies long delivered would be refused.
-            # All such waits in one loop turn share one budget: several non-readers must not
-            # slow the loop for everyone else.
-            grace = min(GC_GRACE_S, self._grace_left)
+            # A peer already refused gets no grace again until it reads, and all such waits in
+            # one loop turn share one budget: several non-readers must not slow everyone else.
+            grace = 0.0 if m.peer in self._refused else min(GC_GRACE_S, self._grace_left)
             if grace > 0:
                 waited = time.monotonic()
                 try:
@@ -196,12 +198,16 @@ class ShardServer:
                 self._grace_left -= time.monotonic() - waited
             unread = [t for t in unread if not t.done]
         self._sending[m.peer] = unread
-        if len(unread) >= MAX_UNREAD_REPLIES:
+        if len(unread) < MAX_UNREAD_REPLIES:
+            self._refused.discard(m.peer)
+        else:
             message = (
                 f"{len(unread)} earlier replies to this client are still unsent (it does not "
                 "read them); read replies before sending more requests"
             )
-            log.warning("refused a read: %s", message)
+            if m.peer not in self._refused:  # once per client until it reads: no log flood
+                log.warning("refused a read: %s", message)
+            self._refused.add(m.peer)
             self.service.count_refusal(ErrorCode.LIMIT)
             send_message(
                 self.socket,
