@@ -162,7 +162,9 @@ def open_store(role: Role):
     )
 
 
-def _wait_for_stragglers(store, keys: list[str], note_every_s: float = 300.0) -> None:
+def _wait_for_stragglers(
+    store, keys: list[str], note_every_s: float = 300.0, say=lambda text: print(text, flush=True)
+) -> None:
     """Wait for every worker's done key, however late: a straggler is slow, not failed (a dead
     one makes torchrun stop the whole group). Says every few minutes whom it still waits for,
     instead of timing out with a traceback."""
@@ -170,7 +172,7 @@ def _wait_for_stragglers(store, keys: list[str], note_every_s: float = 300.0) ->
     while not store.check(keys):
         if time.monotonic() - last_note >= note_every_s:
             missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
-            print(f"wavelet run: still waiting for worker(s) {', '.join(missing)}", flush=True)
+            say(f"wavelet run: still waiting for worker(s) {', '.join(missing)}")
             last_note = time.monotonic()
         time.sleep(0.5)
 

@@ -86,7 +86,9 @@ def test_every_bad_request_is_refused_and_changes_nothing(shard):
     h, ts = _push(c, read_version=5)
     _expect_error(raw.request(h, ts), "future_version")
     h, ts = _push(c, plan="0123456789abcdef")
-    _expect_error(raw.request(h, ts), "plan_mismatch")
+    refused = raw.request(h, ts)
+    _expect_error(refused, "plan_mismatch", "plan differs")
+    assert c.plan.fingerprint not in refused.body["message"]  # the registration secret stays
     h, ts = _push(c, worker="nobody")
     _expect_error(raw.request(h, ts), "not_registered")
     # pushes for the wrong clock

@@ -15,8 +15,15 @@ import pytest
 from conftest import ShardDaemons, run_wavelet, wait_for
 
 from wavelet.common.config import ConfigError
+from wavelet.common.records import read_records
 from wavelet.common.security import load_admin_token, write_private
 from wavelet.common.shm import SHM_DIR, run_prefix
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _one_line(done: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -186,3 +193,76 @@ def test_shard_fixtures_stop_the_shards_that_started_when_a_later_one_fails(tmp_
     with pytest.raises(RuntimeError, match="cannot start"):
         daemons.__enter__()
     assert daemons.procs[0].poll() is not None, "the first shard was left running"
+
+
+# --- all-reduce and wavelet run -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_allreduce_rank_reports_its_error_not_a_final_score(tmp_path):
+    (tmp_path / "breaks.py").write_text(
+        "import torch.nn as nn\n\n"
+        "class Breaks(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc, self.calls = nn.Linear(64, 10), 0\n\n"
+        "    def forward(self, x):\n"
+        "        self.calls += 1\n"
+        "        if self.calls > 3:\n"
+        "            raise RuntimeError('the model broke at its 4th forward')\n"
+        "        return self.fc(x.flatten(1))\n\n"
+        "def make(input_shape, num_classes):\n"
+        "    return Breaks()\n"
+    )
+    run_dir = tmp_path / "run"
+    env = {
+        **conftest.CHILD_ENV,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    done = subprocess.run(
+        conftest.wavelet_cmd(
+            "worker", "--mode", "allreduce", "--model", "breaks:make", "--run-dir", str(run_dir)
+        ),
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode != 0
+    assert "the model broke at its 4th forward" in done.stderr
+    kinds = [r["kind"] for r in read_records(run_dir / "records" / "worker-0-wave-0.jsonl")]
+    assert "step" in kinds and "final" not in kinds
+
+
+def test_wavelet_run_waits_for_a_straggler_past_the_store_timeout():
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from wavelet.scripts.run import _wait_for_stragglers
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=1), wait_for_workers=False
+    )
+    store.set("done/0", "0")
+    notes = []
+    noted = threading.Event()
+
+    def say(text):
+        notes.append(text)
+        noted.set()
+
+    def late_worker():
+        noted.wait(30)  # done only after worker 0 said it still waits: past the store's timeout
+        store.set("done/1", "0")
+
+    straggler = threading.Thread(target=late_worker, daemon=True)
+    straggler.start()
+    _wait_for_stragglers(store, ["done/0", "done/1"], note_every_s=1.5, say=say)
+    straggler.join(10)
+    assert notes and notes[0] == "wavelet run: still waiting for worker(s) 1"
