@@ -1,13 +1,24 @@
 """Shard checkpoints: written atomically (temporary file, fsync, rename, fsync of the folder), so
-a crash at any moment leaves the last complete checkpoint readable; read back on restart."""
+a crash at any moment leaves the last complete checkpoint readable; read back on restart. The
+``Checkpointer`` decides when, and counts what a restart lost."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from wavelet.common.config import PSConfig
+from wavelet.common.protocol import ErrorCode, ProtocolError
+from wavelet.common.records import RecordWriter, last_record
+from wavelet.ps.shard import Shard
+from wavelet.ps.staleness import ClockTable, WaveId
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_path(run_dir: str | Path, shard_index: int) -> Path:
@@ -34,3 +45,103 @@ def read_checkpoint(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class Checkpointer:
+    """When one shard checkpoints, what it restores at start, and what its restarts lost.
+
+    Checkpoints hold the parameters, optimizer state, version and every wave's clock (an open
+    bulk-synchronous sum is not an applied update and is not saved). The push log (one record per
+    push, ``records/ps-<i>-pushes.jsonl``) says which version the last run reached, so a restore
+    from an older checkpoint knows how many updates it lost."""
+
+    def __init__(self, config: PSConfig, shard: Shard, clocks: ClockTable):
+        self.config = config
+        self.shard = shard
+        self.clocks = clocks
+        self.failures = 0
+        self.seconds = 0.0  # how long the last checkpoint took
+        self.ok_at = time.monotonic()  # when the last checkpoint succeeded (or the start)
+        self.lost_on_restore = 0  # updates the last run applied that its checkpoint missed
+        self._last = (0, time.monotonic())  # version and time of the last attempt
+        self.push_log: RecordWriter | None = None
+        if config.run_dir:
+            self.push_log = RecordWriter(
+                Path(config.run_dir) / "records" / f"ps-{config.shard_index}-pushes.jsonl"
+            )
+
+    @property
+    def path(self) -> Path:
+        return checkpoint_path(self.config.run_dir, self.config.shard_index)
+
+    def restore(self) -> list[tuple[WaveId, int]]:
+        """Load the last checkpoint into the shard, if any; returns the waves' clocks it held."""
+        if not self.config.run_dir:
+            return []
+        logged = last_record(self.push_log.path) if self.push_log else None
+        last_version = int(logged.get("version", 0)) if logged else 0
+        state = read_checkpoint(self.path)
+        if state is None:
+            self.lost_on_restore = last_version
+            return []
+        self.shard.load_state_dict(state)
+        self._last = (self.shard.version, time.monotonic())
+        self.lost_on_restore = max(0, last_version - self.shard.version)
+        log.warning(
+            "shard %d restored version %d from its checkpoint (%d update(s) after it were lost)",
+            self.config.shard_index,
+            self.shard.version,
+            self.lost_on_restore,
+        )
+        return [((worker, wave), clock) for worker, wave, clock in state["clocks"]]
+
+    def write(self) -> Path:
+        """A checkpoint now (an admin request, the periodic timer, the final one)."""
+        if not self.config.run_dir:
+            raise ProtocolError(ErrorCode.MALFORMED, "this shard was started without a run dir")
+        if not self.shard.initialized:
+            raise ProtocolError(ErrorCode.NOT_INITIALIZED, "nothing to checkpoint yet")
+        started = time.monotonic()
+        state = self.shard.state_dict()
+        state["clocks"] = [[w[0], w[1], c] for w, c in self.clocks.clocks.items()]
+        write_checkpoint(self.path, state)
+        self._last = (self.shard.version, time.monotonic())
+        self.ok_at = self._last[1]
+        self.seconds = self.ok_at - started
+        return self.path
+
+    def maybe(self) -> None:
+        """Checkpoint when due (every N updates and/or S seconds); a failure is counted and
+        retried at the next interval, never raised."""
+        cfg = self.config
+        if not (cfg.run_dir and self.shard.initialized):
+            return
+        version, when = self._last
+        due_updates = cfg.checkpoint_every and self.shard.version - version >= cfg.checkpoint_every
+        due_time = cfg.checkpoint_every_s and time.monotonic() - when >= cfg.checkpoint_every_s
+        if not ((due_updates or due_time) and self.shard.version != version):
+            return
+        try:
+            self.write()
+        except Exception as e:  # disk full, permissions: keep serving, try at the next interval
+            self.failures += 1
+            self._last = (self.shard.version, time.monotonic())
+            log.error(
+                "checkpoint at version %d failed (%s: %s); still serving, retrying at the "
+                "next interval",
+                self.shard.version,
+                type(e).__name__,
+                e,
+            )
+
+    def close(self) -> None:
+        """The final checkpoint (when there is something to save); then the push log closes,
+        whatever the checkpoint raised."""
+        try:
+            if self.config.run_dir and self.shard.initialized:
+                self.write()
+        except Exception as e:
+            log.error("final checkpoint failed: %s: %s", type(e).__name__, e)
+        finally:
+            if self.push_log:
+                self.push_log.close()

@@ -58,17 +58,17 @@ class ShardCollector:
         yield counter(
             "wavelet_shard_checkpoint_failures",
             "checkpoints that could not be written",
-            svc.checkpoint_failures,
+            svc.checkpoints.failures,
         )
         yield gauge(
             "wavelet_shard_checkpoint_age_seconds",
             "seconds since the last checkpoint that succeeded (or the shard's start)",
-            time.monotonic() - svc.checkpoint_ok_at,
+            time.monotonic() - svc.checkpoints.ok_at,
         )
         yield gauge(
             "wavelet_shard_checkpoint_duration_seconds",
             "how long the last checkpoint took",
-            svc.checkpoint_seconds,
+            svc.checkpoints.seconds,
         )
         errors = CounterMetricFamily(
             "wavelet_shard_error_replies",

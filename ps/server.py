@@ -27,8 +27,9 @@ from wavelet.common.security import (
     load_admin_token,
     public_key_z85,
 )
+from wavelet.ps.datapath import Outgoing
 from wavelet.ps.owners import Peer
-from wavelet.ps.service import Outgoing, ShardService
+from wavelet.ps.service import ShardService
 
 log = logging.getLogger(__name__)
 

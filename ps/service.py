@@ -16,8 +16,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,12 +48,10 @@ from wavelet.common.protocol import (
     request_body,
     wave_name,
 )
-from wavelet.common.records import RecordWriter, last_record
-from wavelet.common.shm import run_prefix
-from wavelet.ps.checkpoints import checkpoint_path, read_checkpoint, write_checkpoint
+from wavelet.ps.checkpoints import Checkpointer
+from wavelet.ps.datapath import Outgoing, ShardDataPath
 from wavelet.ps.owners import Peer, WaveOwners
 from wavelet.ps.policy import make_policy
-from wavelet.ps.segments import NoSpaceForSegments, SegmentStore
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats
 from wavelet.ps.synchronous import SyncSum
@@ -62,20 +59,6 @@ from wavelet.ps.synchronous import SyncSum
 log = logging.getLogger(__name__)
 
 ADMIN_OPS = (Op.CHECKPOINT, Op.SHUTDOWN)
-
-
-@dataclass
-class Outgoing:
-    """One message for the transport to send to ``peer`` (a ROUTER identity)."""
-
-    peer: bytes
-    header: Header
-    tensors: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def carries_weights(self) -> bool:
-        """Its tensors are the shard's parameter memory (sent zero-copy)."""
-        return bool(self.tensors)
 
 
 @dataclass
@@ -116,30 +99,18 @@ class ShardService:
         self.parked: list[_ParkedPull] = []
         self.rejected = 0
         self.rejected_by_code: Counter[str] = Counter()
-        self.checkpoint_failures = 0
-        self.checkpoint_seconds = 0.0  # how long the last checkpoint took
-        self.checkpoint_ok_at = time.monotonic()  # when the last checkpoint succeeded (or start)
-        self.lost_on_restore = 0  # updates the last run applied that its checkpoint missed
         self.stopping = False
         self._admin_token = admin_token
         self._admin_key = admin_key  # with CURVE: the z85 public key admin requests must carry
         self._handlers: dict[str, Callable[..., Any]] = {
             op: getattr(self, f"rpc_{op}") for op in Op if op not in (Op.REPLY, Op.ERROR)
         }
-        self.segments: SegmentStore | None = None
-        if config.shm:
-            # per run dir, so that a restarted shard or the launcher finds what a killed one left
-            base = run_prefix(config.run_dir) if config.run_dir else f"wavelet-{os.getpid()}-"
-            lock = (
-                Path(config.run_dir) / f"ps-{config.shard_index}.lock" if config.run_dir else None
-            )
-            self.segments = SegmentStore(f"{base}s{config.shard_index}-", lock)
-        self.push_log: RecordWriter | None = None
-        self._checkpointed = (0, time.monotonic())  # version and time of the last checkpoint
-        if config.run_dir:
-            log_path = Path(config.run_dir) / "records" / f"ps-{config.shard_index}-pushes.jsonl"
-            self._restore(log_path)
-            self.push_log = RecordWriter(log_path)
+        self.datapath = ShardDataPath(config, os.getpid())
+        self.checkpoints = Checkpointer(config, self.shard, self.clocks)
+        # waves of a restored shard keep their clocks but register again before they push
+        for wave, clock in self.checkpoints.restore():
+            self.clocks.join(wave, clock)
+            self.stats.setdefault(wave, WaveStats())
         self._start_version = self.shard.version
 
     @property
@@ -222,28 +193,17 @@ class ShardService:
             out = self._answer_parked(
                 lambda p: True, ErrorCode.INTERNAL, "internal error; pull again"
             )
-        self._maybe_checkpoint()
+        self.checkpoints.maybe()
         return out
 
     def close(self) -> list[Outgoing]:
         """Final checkpoint; error replies for the pulls still parked. Each step runs whatever
         the one before raised, so segments are always removed."""
-        out: list[Outgoing] = []
         try:
-            if self.config.run_dir and self.shard.initialized:
-                self.write_checkpoint()
-        except Exception as e:
-            log.error("final checkpoint failed: %s: %s", type(e).__name__, e)
+            self.checkpoints.close()
         finally:
-            out = self._answer_parked(
-                lambda p: True, ErrorCode.SHUTTING_DOWN, "shard is shutting down"
-            )
-            try:
-                if self.segments:
-                    self.segments.close()
-            finally:
-                if self.push_log:
-                    self.push_log.close()
+            out = self._answer_parked(lambda p: True, ErrorCode.SHUTTING_DOWN, "shutting down")
+            self.datapath.close()
         return out
 
     # --- requests -----------------------------------------------------------------------------
@@ -269,7 +229,7 @@ class ShardService:
         self.clocks.join(wave, clock)
         self.stats.setdefault(wave, WaveStats())
         log.info("wave %s joined at clock %d", wave_name(*wave), clock)
-        lost = self.lost_on_restore if body.resume else 0
+        lost = self.checkpoints.lost_on_restore if body.resume else 0
         return self._reply(
             peer,
             h,
@@ -294,8 +254,7 @@ class ShardService:
             self.shard.check_plan(h.plan)
             return self._weights(peer, h.request_id, None, h.clock, parked_s=0.0)
         wave = self._registered(h, peer)
-        if body.shm:
-            self._segments_of(wave)
+        self.datapath.check_pull(wave, body.shm)
         self._check_park_room()
         return self._pull_or_park(peer, h.request_id, wave, h.clock, shm=body.shm)
 
@@ -324,19 +283,12 @@ class ShardService:
             ErrorCode.NOT_ATTACHED,
             "the wave attached again; pull again",
         )
-        reason = ""
-        if body.transport == "tcp" or self.segments is None:
-            if self.segments:
-                self.segments.detach(wave)
-            if self.segments is None and body.transport != "tcp":
-                reason = "the shard was started with --no-shm"
+        segments, reason = None, ""
+        if body.transport == "tcp":
+            self.datapath.detach(wave)
         else:
-            try:
-                segments = self.segments.attach(wave, self.shard.specs)
-            except NoSpaceForSegments as e:
-                log.warning("wave %s uses TCP: %s", wave_name(*wave), e)
-                reason = str(e)
-        if body.transport == "tcp" or reason:
+            segments, reason = self.datapath.attach(wave, self.shard.specs)
+        if segments is None:
             self.stats[wave].transport = "tcp"
             tcp = AttachReply(self.shard.version, "tcp", reason=reason)
             return [*out, self._reply(peer, h, tcp)]
@@ -369,14 +321,14 @@ class ShardService:
                 staleness_bound=str(self.bound.s),
                 parked_now=len(self.parked),
                 rejected=self.rejected,
-                checkpoint_failures=self.checkpoint_failures,
+                checkpoint_failures=self.checkpoints.failures,
                 waves=waves,
             ),
         )
 
     def rpc_checkpoint(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
         self._check_admin(peer, h, body)
-        path = self.write_checkpoint()
+        path = self.checkpoints.write()
         return self._reply(peer, h, CheckpointReply(self.shard.version, str(path)))
 
     def rpc_shutdown(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
@@ -417,13 +369,8 @@ class ShardService:
                 f"bulk-synchronous clock {self.sync.clock} is still open; "
                 f"pull before pushing clock {clock}",
             )
-        if body.shm:
-            if tensors:
-                raise ProtocolError(
-                    ErrorCode.MALFORMED, "a shared-memory push carries no tensor frames"
-                )
-            tensors = self._segments_of(wave).push_views  # validated below like frames
-        shard.check_push(h.keys, tensors)
+        tensors = self.datapath.gradients(wave, body.shm, tensors)
+        shard.check_push(h.keys, tensors)  # frames or a segment: validated alike
         lr_scale = body.lr_scale
 
         tau = shard.version - h.read_version
@@ -443,8 +390,8 @@ class ShardService:
                 shard.apply(decision.grads, lr_scale)
         self.clocks.advance(wave)
         self.stats[wave].record_push(tau)
-        if self.push_log:
-            self.push_log.write(
+        if self.checkpoints.push_log:
+            self.checkpoints.push_log.write(
                 {
                     "t": time.time(),
                     "worker": wave[0],
@@ -559,14 +506,7 @@ class ShardService:
         header = reply_header(request_id, body)
         header.keys = self.shard.keys
         peer = peer.identity if isinstance(peer, Peer) else peer
-        if shm and wave is not None:
-            # the wave reads its segment before its next request: nothing else writes it meanwhile
-            for view, value in zip(
-                self._segments_of(wave).pull_views, self.shard.values(), strict=True
-            ):
-                view.copy_(value)
-            return Outgoing(peer, header)
-        return Outgoing(peer, header, self.shard.values())
+        return self.datapath.weights_reply(peer, header, self.shard.values(), wave, shm)
 
     # --- membership, admin, errors ------------------------------------------------------------
 
@@ -577,8 +517,7 @@ class ShardService:
         self.owners.release(wave)
         self.policy.forget(wave)
         self.shard.forget_wave(wave)
-        if self.segments:
-            self.segments.detach(wave)
+        self.datapath.detach(wave)
         return self._answer_parked(lambda p: p.wave == wave, ErrorCode.NOT_REGISTERED, why)
 
     def _make_room_for_a_wave(self) -> None:
@@ -616,16 +555,6 @@ class ShardService:
         if wave in self.clocks.live:
             self.clocks.seen(wave)  # any request is a sign of life
         return wave
-
-    def _segments_of(self, wave: WaveId):
-        segments = self.segments.get(wave) if self.segments else None
-        if segments is None:
-            raise ProtocolError(
-                ErrorCode.NOT_ATTACHED,
-                f"wave {wave_name(*wave)} has no shared-memory segments on this shard; "
-                "attach first (or send tensor frames)",
-            )
-        return segments
 
     def _check_admin(self, peer: Peer, h: Header, body: AdminRequest) -> None:
         if self._admin_key:
@@ -666,64 +595,3 @@ class ShardService:
                 self.stats[wave].rejected[str(code)] += 1
         log.warning("rejected request %d: [%s] %s", request_id, code, message)
         return Outgoing(peer, error_header(request_id, code, message))
-
-    # --- checkpoints --------------------------------------------------------------------------
-
-    def write_checkpoint(self) -> Path:
-        """Parameters, optimizer state, version and clocks (an open bulk-synchronous sum is not
-        an applied update and is not saved)."""
-        if not self.config.run_dir:
-            raise ProtocolError(ErrorCode.MALFORMED, "this shard was started without a run dir")
-        if not self.shard.initialized:
-            raise ProtocolError(ErrorCode.NOT_INITIALIZED, "nothing to checkpoint yet")
-        started = time.monotonic()
-        state = self.shard.state_dict()
-        state["clocks"] = [[w[0], w[1], c] for w, c in self.clocks.clocks.items()]
-        path = checkpoint_path(self.config.run_dir, self.config.shard_index)
-        write_checkpoint(path, state)
-        self._checkpointed = (self.shard.version, time.monotonic())
-        self.checkpoint_ok_at = self._checkpointed[1]
-        self.checkpoint_seconds = self._checkpointed[1] - started
-        return path
-
-    def _maybe_checkpoint(self) -> None:
-        cfg = self.config
-        if not (cfg.run_dir and self.shard.initialized):
-            return
-        version, when = self._checkpointed
-        due_updates = cfg.checkpoint_every and self.shard.version - version >= cfg.checkpoint_every
-        due_time = cfg.checkpoint_every_s and time.monotonic() - when >= cfg.checkpoint_every_s
-        if not ((due_updates or due_time) and self.shard.version != version):
-            return
-        try:
-            self.write_checkpoint()
-        except Exception as e:  # disk full, permissions: keep serving, try at the next interval
-            self.checkpoint_failures += 1
-            self._checkpointed = (self.shard.version, time.monotonic())
-            log.error(
-                "checkpoint at version %d failed (%s: %s); still serving, retrying at the "
-                "next interval",
-                self.shard.version,
-                type(e).__name__,
-                e,
-            )
-
-    def _restore(self, push_log: Path) -> None:
-        state = read_checkpoint(checkpoint_path(self.config.run_dir, self.config.shard_index))
-        logged = last_record(push_log)
-        last_version = int(logged.get("version", 0)) if logged else 0
-        if state is None:
-            self.lost_on_restore = last_version
-            return
-        self.shard.load_state_dict(state)
-        for worker, wave, clock in state["clocks"]:
-            self.clocks.join((worker, wave), clock)
-            self.stats.setdefault((worker, wave), WaveStats())
-        self._checkpointed = (self.shard.version, time.monotonic())
-        self.lost_on_restore = max(0, last_version - self.shard.version)
-        log.warning(
-            "shard %d restored version %d from its checkpoint (%d update(s) after it were lost)",
-            self.config.shard_index,
-            self.shard.version,
-            self.lost_on_restore,
-        )

@@ -14,13 +14,13 @@ def test_a_failing_periodic_checkpoint_is_counted_and_retried(tmp_path):
     (tmp_path / "checkpoints").write_text("a file where the folder belongs")  # writes fail
     for clock in range(3):
         assert wave.push(clock, clock).op == "reply"
-    assert service.checkpoint_failures == 3
+    assert service.checkpoints.failures == 3
     stats = wave.request(Op.STATS)
     assert stats.body["checkpoint_failures"] == 3 and stats.body["version"] == 3
     (tmp_path / "checkpoints").unlink()  # the disk is fine again: the next interval writes
     assert wave.push(3, 3).op == "reply"
     assert (tmp_path / "checkpoints" / "shard-0.pt").exists()
-    assert service.checkpoint_failures == 3
+    assert service.checkpoints.failures == 3
 
 
 def test_updates_lost_to_an_old_checkpoint_are_reported_on_resume(tmp_path):
@@ -29,10 +29,11 @@ def test_updates_lost_to_an_old_checkpoint_are_reported_on_resume(tmp_path):
     wave.join()
     for clock in range(7):  # versions 1..7; the checkpoint holds version 5
         wave.push(clock, clock)
-    service.push_log.close()  # a kill -9: no final checkpoint, and the kernel drops its lock
-    service.segments.lock.release()
+    # a kill -9: no final checkpoint, and the kernel drops its lock
+    service.checkpoints.push_log.close()
+    service.datapath.segments.lock.release()
     restarted = _service(tmp_path, checkpoint_every=5)
-    assert restarted.shard.version == 5 and restarted.lost_on_restore == 2
+    assert restarted.shard.version == 5 and restarted.checkpoints.lost_on_restore == 2
     h = Wave(restarted).join(resume=True)
     assert h.body["lost_updates"] == 2 and h.body["clock"] == 5
     assert Wave(restarted, worker="new").join().body["lost_updates"] == 0  # not a resume

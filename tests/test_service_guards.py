@@ -86,7 +86,7 @@ def test_a_wave_named_from_another_connection_changes_nothing(tmp_path):
             h = impostor.request(op, tensors, **kwargs)
             assert h.op == "error" and h.body["code"] == "wave_in_use", (op, h.body)
         assert all(torch.equal(a, b) for a, b in zip(before, service.shard.values(), strict=True))
-        assert service.segments.get(("w0", 0)) is not None  # its segments are untouched
+        assert service.datapath.segments.get(("w0", 0)) is not None  # its segments are untouched
         assert wave.push(0, 0).op == "reply"  # the owner goes on
         # once the owner's connection closes, a new connection (a restarted worker) re-joins
         service.connection_closed(wave.peer)
@@ -143,14 +143,14 @@ def test_a_wave_dropped_for_silence_leaves_nothing_behind(tmp_path):
         assert wave.request(Op.PULL, clock=0).op == "reply"
         wave.push(0, 0)
         wave_id = ("w0", 0)
-        assert wave_id in service.policy.read and service.segments.get(wave_id) is not None
-        files = len(list(SHM_DIR.glob(service.segments.prefix + "*")))
+        assert wave_id in service.policy.read and service.datapath.segments.get(wave_id) is not None
+        files = len(list(SHM_DIR.glob(service.datapath.segments.prefix + "*")))
         assert files == 2
         service.tick(now=time.monotonic() + 5)
         assert wave_id not in service.clocks.live
         assert wave_id not in service.policy.read  # its DC-ASGD weight copy
-        assert service.segments.get(wave_id) is None
-        assert not list(SHM_DIR.glob(service.segments.prefix + "*"))
+        assert service.datapath.segments.get(wave_id) is None
+        assert not list(SHM_DIR.glob(service.datapath.segments.prefix + "*"))
         assert wave_id not in service.shard.wave_buffers
     finally:
         service.close()
@@ -181,7 +181,7 @@ def test_a_restored_shard_makes_every_wave_register_again(tmp_path):
     wave.join()
     for clock in range(7):
         wave.push(clock, clock)
-    service.push_log.close()  # killed after version 7, its checkpoint holds 5
+    service.checkpoints.push_log.close()  # killed after version 7, its checkpoint holds 5
     restarted = service_for(tmp_path, checkpoint_every=5, shm=False)
     try:
         again = ServiceWave(restarted, peer=wave.peer)  # whatever the connection
@@ -223,11 +223,11 @@ def test_a_failed_checkpoint_does_not_reset_its_age(tmp_path):
     try:
         wave = ServiceWave(service)
         wave.join()
-        ok_at = service.checkpoint_ok_at
+        ok_at = service.checkpoints.ok_at
         (tmp_path / "checkpoints").write_text("a file where the folder belongs")
         wave.push(0, 0)
-        assert service.checkpoint_failures == 1
-        assert service.checkpoint_ok_at == ok_at
+        assert service.checkpoints.failures == 1
+        assert service.checkpoints.ok_at == ok_at
     finally:
         (tmp_path / "checkpoints").unlink()
         service.close()
@@ -243,8 +243,8 @@ def test_shutdown_cleans_up_whatever_the_final_checkpoint_raises(tmp_path, monke
     def broken():
         raise RuntimeError("not an OSError")
 
-    monkeypatch.setattr(service, "write_checkpoint", broken)
+    monkeypatch.setattr(service.checkpoints, "write", broken)
     out = service.close()
     assert _codes(out) == ["shutting_down"]
-    assert not list(SHM_DIR.glob(service.segments.prefix + "*"))
-    assert service.push_log._file.closed
+    assert not list(SHM_DIR.glob(service.datapath.segments.prefix + "*"))
+    assert service.checkpoints.push_log._file.closed

@@ -1,0 +1,112 @@
+"""The shard's data path: where a wave's gradients come from and where its weights go.
+
+Two ways, behind one small interface: tensor frames over ZeroMQ, or the wave's shared-memory
+segments (``ps/segments.py``) when it is on the shard's host. The rules (``ps/service.py``) see
+plain tensors and hand back plain tensors; only this layer knows which way they travel, as
+ps-lite's ``Van`` sits below its request handler.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from wavelet.common.config import PSConfig
+from wavelet.common.protocol import ErrorCode, Header, ProtocolError, wave_name
+from wavelet.common.shm import run_prefix
+from wavelet.ps.segments import NoSpaceForSegments, SegmentStore, WaveSegments
+from wavelet.ps.shard import ChunkSpec
+from wavelet.ps.staleness import WaveId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outgoing:
+    """One message for the transport to send to ``peer`` (a ROUTER identity)."""
+
+    peer: bytes
+    header: Header
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def carries_weights(self) -> bool:
+        """Its tensors are the shard's parameter memory (sent zero-copy)."""
+        return bool(self.tensors)
+
+
+class ShardDataPath:
+    """Frames or segments, per wave. Memory: 2 x (attached waves) x (the shard's bytes)."""
+
+    def __init__(self, config: PSConfig, pid: int):
+        self.segments: SegmentStore | None = None
+        if config.shm:
+            # per run dir, so that a restarted shard or the launcher finds what a killed one left
+            base = run_prefix(config.run_dir) if config.run_dir else f"wavelet-{pid}-"
+            lock = (
+                Path(config.run_dir) / f"ps-{config.shard_index}.lock" if config.run_dir else None
+            )
+            self.segments = SegmentStore(f"{base}s{config.shard_index}-", lock)
+
+    def gradients(self, wave: WaveId, shm: bool, frames: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors a push carries: its frames, or (``shm``) the wave's push segment, to be
+        validated by the caller either way."""
+        if not shm:
+            return frames
+        if frames:
+            raise ProtocolError(
+                ErrorCode.MALFORMED, "a shared-memory push carries no tensor frames"
+            )
+        return self._segments_of(wave).push_views
+
+    def check_pull(self, wave: WaveId, shm: bool) -> None:
+        """Refuse now a pull to be answered through segments the wave does not have."""
+        if shm:
+            self._segments_of(wave)
+
+    def weights_reply(
+        self,
+        peer: bytes,
+        header: Header,
+        values: list[torch.Tensor],
+        wave: WaveId | None,
+        shm: bool,
+    ) -> Outgoing:
+        """``values`` for ``wave``: zero-copy frames, or copied into its pull segment (the wave
+        reads it before its next request, so nothing else writes it meanwhile)."""
+        if shm and wave is not None:
+            for view, value in zip(self._segments_of(wave).pull_views, values, strict=True):
+                view.copy_(value)
+            return Outgoing(peer, header)
+        return Outgoing(peer, header, values)
+
+    def attach(self, wave: WaveId, specs: list[ChunkSpec]) -> tuple[WaveSegments | None, str]:
+        """New segments for ``wave``, or None and why it uses TCP instead."""
+        if self.segments is None:
+            return None, "the shard was started with --no-shm"
+        try:
+            return self.segments.attach(wave, specs), ""
+        except NoSpaceForSegments as e:
+            log.warning("wave %s uses TCP: %s", wave_name(*wave), e)
+            return None, str(e)
+
+    def detach(self, wave: WaveId) -> None:
+        if self.segments:
+            self.segments.detach(wave)
+
+    def close(self) -> None:
+        if self.segments:
+            self.segments.close()
+
+    def _segments_of(self, wave: WaveId) -> WaveSegments:
+        segments = self.segments.get(wave) if self.segments else None
+        if segments is None:
+            raise ProtocolError(
+                ErrorCode.NOT_ATTACHED,
+                f"wave {wave_name(*wave)} has no shared-memory segments on this shard; "
+                "attach first (or send tensor frames)",
+            )
+        return segments
