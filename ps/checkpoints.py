@@ -70,6 +70,11 @@ class Checkpointer:
                 Path(config.run_dir) / "records" / f"ps-{config.shard_index}-pushes.jsonl"
             )
 
+    def log_push(self, **record) -> None:
+        """One push, as the shard decided it (the last record tells a restore what was lost)."""
+        if self.push_log:
+            self.push_log.write({"t": time.time(), **record})
+
     @property
     def path(self) -> Path:
         return checkpoint_path(self.config.run_dir, self.config.shard_index)

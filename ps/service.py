@@ -9,7 +9,6 @@ to one handler; so most behaviour is testable in-process, without a socket.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
@@ -48,6 +47,7 @@ from wavelet.common.protocol import (
     request_body,
     wave_name,
 )
+from wavelet.ps.admin import AdminGate
 from wavelet.ps.checkpoints import Checkpointer
 from wavelet.ps.datapath import Outgoing, ShardDataPath
 from wavelet.ps.owners import Peer, WaveOwners
@@ -57,9 +57,6 @@ from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats
 from wavelet.ps.synchronous import SyncSum
 
 log = logging.getLogger(__name__)
-
-ADMIN_OPS = (Op.CHECKPOINT, Op.SHUTDOWN)
-
 
 @dataclass
 class _ParkedPull:
@@ -100,8 +97,7 @@ class ShardService:
         self.rejected = 0
         self.rejected_by_code: Counter[str] = Counter()
         self.stopping = False
-        self._admin_token = admin_token
-        self._admin_key = admin_key  # with CURVE: the z85 public key admin requests must carry
+        self.admin = AdminGate(admin_token, admin_key)
         self._handlers: dict[str, Callable[..., Any]] = {
             op: getattr(self, f"rpc_{op}") for op in Op if op not in (Op.REPLY, Op.ERROR)
         }
@@ -327,12 +323,12 @@ class ShardService:
         )
 
     def rpc_checkpoint(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
-        self._check_admin(peer, h, body)
+        self.admin.check(h.op, peer, body.token)
         path = self.checkpoints.write()
         return self._reply(peer, h, CheckpointReply(self.shard.version, str(path)))
 
     def rpc_shutdown(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
-        self._check_admin(peer, h, body)
+        self.admin.check(h.op, peer, body.token)
         self.stopping = True
         return self._reply(peer, h, Ack(self.shard.version))
 
@@ -390,22 +386,18 @@ class ShardService:
                 shard.apply(decision.grads, lr_scale)
         self.clocks.advance(wave)
         self.stats[wave].record_push(tau)
-        if self.checkpoints.push_log:
-            self.checkpoints.push_log.write(
-                {
-                    "t": time.time(),
-                    "worker": wave[0],
-                    "wave": wave[1],
-                    "wave_name": wave_name(*wave),
-                    "clock": clock,
-                    "read_version": h.read_version,
-                    "version": shard.version,
-                    "staleness": tau,
-                    "action": action,
-                    "lr_scale": lr_scale,
-                    "policy": self.policy.name,
-                }
-            )
+        self.checkpoints.log_push(
+            wave_name=wave_name(*wave),
+            worker=wave[0],
+            wave=wave[1],
+            clock=clock,
+            read_version=h.read_version,
+            version=shard.version,
+            staleness=tau,
+            action=action,
+            lr_scale=lr_scale,
+            policy=self.policy.name,
+        )
         self._apply_sum_if_complete()
         return wave, action
 
@@ -555,27 +547,6 @@ class ShardService:
         if wave in self.clocks.live:
             self.clocks.seen(wave)  # any request is a sign of life
         return wave
-
-    def _check_admin(self, peer: Peer, h: Header, body: AdminRequest) -> None:
-        if self._admin_key:
-            # CURVE authenticated the sender's key; a token could have been read from a store
-            if not hmac.compare_digest(peer.key.encode(), self._admin_key.encode()):
-                raise ProtocolError(
-                    ErrorCode.UNAUTHORIZED,
-                    f"{h.op} is taken only from the admin client key (--curve-admin-key)",
-                )
-            return
-        if not self._admin_token:
-            raise ProtocolError(
-                ErrorCode.UNAUTHORIZED,
-                f"{h.op} is disabled: this shard has no admin token (start it with --run-dir "
-                "or --admin-token-file); stop it with SIGTERM instead",
-            )
-        if not hmac.compare_digest(body.token.encode(), self._admin_token.encode()):
-            raise ProtocolError(
-                ErrorCode.UNAUTHORIZED,
-                f"{h.op} needs the shard's admin token (the run dir's admin.token)",
-            )
 
     def _reply(self, peer: Peer, h: Header, body) -> Outgoing:
         return Outgoing(peer.identity, reply_header(h.request_id, body))
