@@ -95,6 +95,14 @@ MODES = ("ps", "allreduce")
 STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
+# Help texts that more than one config class shows: written once.
+TRANSPORT_HELP = (
+    "how tensors move to shards: shm (shared memory, same host), tcp (ZeroMQ frames), "
+    "or auto (shm where a shard offers it and its segments open, else tcp)"
+)
+DAEMON_METRICS_PORT_HELP = (
+    "serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; -1: off)"
+)
 # common/models.py and common/datasets.py; a user's own is named package.module:function
 BUILTIN_MODELS = ("mlp", "digits_cnn", "resnet18")
 BUILTIN_DATASETS = ("digits", "synthetic", "patterns")
@@ -298,9 +306,7 @@ class PSConfig:
     shm: bool = setting(
         True, help="offer shared-memory segments to waves on this host (--no-shm: TCP only)"
     )
-    metrics_port: int = setting(
-        -1, help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; -1: off)"
-    )
+    metrics_port: int = setting(-1, help=DAEMON_METRICS_PORT_HELP)
     metrics_host: str = setting(
         "", help="address the metrics port binds (default: the host of --bind)"
     )
@@ -375,12 +381,7 @@ class WorkerConfig:
         help="ticktock: forwards take turns; together: waves start at once",
         choices=SCHEDULES,
     )
-    transport: str = setting(
-        "auto",
-        help="how tensors move to shards: shm (shared memory, same host), tcp (ZeroMQ frames), "
-        "or auto (shm where a shard offers it and its segments open, else tcp)",
-        choices=TRANSPORTS,
-    )
+    transport: str = setting("auto", help=TRANSPORT_HELP, choices=TRANSPORTS)
     device_index: int = setting(
         -1,
         help="physical device number for memory reports, when several workers share a device "
@@ -394,9 +395,7 @@ class WorkerConfig:
         help="cap this process's CUDA caching allocator at this many GiB, so a large card "
         "behaves like a smaller one (0: no cap)",
     )
-    metrics_port: int = setting(
-        -1, help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; -1: off)"
-    )
+    metrics_port: int = setting(-1, help=DAEMON_METRICS_PORT_HELP)
     metrics_host: str = setting("127.0.0.1", help="address the metrics port binds")
     curve_secret: str = setting("", help="CURVE: this worker's .key_secret file")
     curve_server_key: str = setting("", help="CURVE: the shards' public .key file")
@@ -473,12 +472,7 @@ class LaunchConfig:
         help="torch threads per worker process (0: the cores divided among the waves that "
         "run at once)",
     )
-    transport: str = setting(
-        "auto",
-        help="how tensors move to shards: shm (shared memory, same host), tcp (ZeroMQ frames), "
-        "or auto (shm where a shard offers it and its segments open, else tcp)",
-        choices=TRANSPORTS,
-    )
+    transport: str = setting("auto", help=TRANSPORT_HELP, choices=TRANSPORTS)
     cuda_memory_gib: float = setting(
         0.0,
         help="cap each device's CUDA memory at this many GiB, split among its processes, so a "

@@ -101,6 +101,21 @@ class RemoteError(ShardError):
         self.address = address
 
 
+class BadReply(ShardError):
+    """A reply this client cannot read (malformed, another protocol version): whatever answered
+    does not speak this protocol."""
+
+
+def decode_reply(frames: Sequence[Any], address: str = "") -> tuple[Header, list[torch.Tensor]]:
+    """``decode`` on the client's side: a malformed reply is a ``BadReply``, one of the client's
+    errors, never a ``ProtocolError`` (which is the shard's word for a refused request)."""
+    try:
+        return decode(frames)
+    except ProtocolError as e:
+        where = f" from {address}" if address else ""
+        raise BadReply(f"unreadable reply{where}: {e}") from None
+
+
 class NotRegistered(RemoteError):
     """The shard does not (or no longer) count this wave as a member; register again."""
 
@@ -440,8 +455,11 @@ REPLY_BODIES: dict[str, type[Body]] = {
 
 
 def reply_body(op: str, header: Header) -> Any:
-    """The typed body of a reply to ``op`` (a malformed reply raises ``ProtocolError``)."""
-    return REPLY_BODIES[op].from_wire(header.body, f"reply to {op}")
+    """The typed body of a reply to ``op`` (a malformed one raises ``BadReply``)."""
+    try:
+        return REPLY_BODIES[op].from_wire(header.body, f"reply to {op}")
+    except ProtocolError as e:
+        raise BadReply(f"unreadable reply: {e.message}") from None
 
 
 def reply_header(request_id: int, body: Body) -> Header:

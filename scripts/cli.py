@@ -340,7 +340,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_admin(args: argparse.Namespace) -> int:
-    from wavelet.common.protocol import Op, ShardError
+    from wavelet.common.protocol import AdminRequest, Op, ShardError
     from wavelet.common.security import admin_token_file, load_admin_token
     from wavelet.worker.client import call_shard
 
@@ -359,7 +359,8 @@ def _cmd_admin(args: argparse.Namespace) -> int:
     failed = 0
     for a in args.addresses:
         try:
-            h = call_shard(a, op, args.timeout, keys=keys, body={"token": token})
+            body = AdminRequest(token=token).to_wire()
+            h = call_shard(a, op, args.timeout, keys=keys, body=body)
         except ShardError as e:
             print(f"wavelet admin: {e}", file=sys.stderr)
             failed += 1

@@ -23,7 +23,7 @@ from pathlib import Path
 from wavelet.common.config import ConfigError, JobConfig, LaunchConfig, to_dict
 from wavelet.common.job import check_job
 from wavelet.common.metrics import push_staleness
-from wavelet.common.protocol import Op, ShardError
+from wavelet.common.protocol import AdminRequest, Op, ShardError
 from wavelet.common.records import read_records
 from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
 from wavelet.common.shm import remove_segments, run_prefix
@@ -481,7 +481,7 @@ def summarize(
         accuracy = evaluate_shards(addresses, job_cfg, keys=keys)
         stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
         for a in addresses:
-            call_shard(a, Op.SHUTDOWN, keys=keys, body={"token": admin_token})
+            call_shard(a, Op.SHUTDOWN, keys=keys, body=AdminRequest(token=admin_token).to_wire())
         staleness_histograms(push_staleness(run_dir), run_dir / "staleness.png")
     else:
         accuracy = progress.final_accuracy

@@ -11,7 +11,7 @@ from conftest import started, wavelet_cmd
 from helpers import RawClient, client_for, shard_values, tiny_model
 
 from wavelet.common import shm
-from wavelet.common.protocol import Header, Op, RemoteError, ShardError
+from wavelet.common.protocol import Header, Op, PushRequest, RemoteError, ShardError
 
 JOB = ["--model", "mlp", "--dataset", "synthetic", "--staleness", "inf"]
 
@@ -96,11 +96,11 @@ def test_a_bad_push_through_the_segment_changes_nothing(shard_daemons):
             for view in link.push_views:
                 view.zero_()
             link.push_views[-1][0] = bad
-            h = c._header(Op.PUSH, clock=0, read_version=0, keys=keys, body={"shm": True})
+            h = c._header(Op.PUSH, PushRequest(shm=True), clock=0, read_version=0, keys=keys)
             with pytest.raises(RemoteError, match="NaN or Inf"):
                 c._request_one(0, h)
         # frames and a segment at once, a wave without segments: refused too
-        h = c._header(Op.PUSH, clock=0, read_version=0, keys=keys, body={"shm": True})
+        h = c._header(Op.PUSH, PushRequest(shm=True), clock=0, read_version=0, keys=keys)
         with pytest.raises(RemoteError, match="no tensor frames"):
             c._request_one(0, h, [torch.zeros(ch.numel) for ch in c.chunks[0]])
         stranger = RawClient(daemons.addresses[0])

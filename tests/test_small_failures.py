@@ -266,3 +266,32 @@ def test_wavelet_run_waits_for_a_straggler_past_the_store_timeout():
     _wait_for_stragglers(store, ["done/0", "done/1"], note_every_s=1.5, say=say)
     straggler.join(10)
     assert notes and notes[0] == "wavelet run: still waiting for worker(s) 1"
+
+
+def test_an_unreadable_reply_is_one_of_the_clients_errors():
+    import threading
+
+    import zmq
+
+    from wavelet.common.protocol import BadReply, Op, ShardError
+    from wavelet.worker.client import call_shard
+
+    ctx = zmq.Context.instance()
+    liar = ctx.socket(zmq.ROUTER)
+    liar.setsockopt(zmq.LINGER, 0)
+    port = liar.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_garbage():
+        if liar.poll(20_000):
+            peer, *_ = liar.recv_multipart()
+            liar.send_multipart([peer, b"\xc1 not msgpack"])
+
+    replier = threading.Thread(target=answer_garbage, daemon=True)
+    replier.start()
+    try:
+        with pytest.raises(ShardError) as e:
+            call_shard(f"tcp://127.0.0.1:{port}", Op.STATS, timeout_s=20)
+        assert isinstance(e.value, BadReply) and "unreadable reply" in str(e.value)
+    finally:
+        replier.join(25)
+        liar.close()

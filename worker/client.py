@@ -18,15 +18,22 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from wavelet.common.config import TRANSPORTS
 from wavelet.common.protocol import (
+    AttachRequest,
+    Body,
     ErrorCode,
     Header,
+    InitRequest,
     NotRegistered,
     Op,
+    PullRequest,
+    PushRequest,
+    RegisterRequest,
     RemoteError,
     ShardError,
     ShardTimeout,
-    decode,
+    decode_reply,
     raise_for_error,
     reply_body,
     send_message,
@@ -34,8 +41,6 @@ from wavelet.common.protocol import (
 from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import Chunk, ShardingPlan, chunk_view
 from wavelet.common.shm import Segment
-
-TRANSPORTS = ("auto", "shm", "tcp")  # auto: shared memory where a shard offers it, else TCP
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +131,7 @@ class PSClient:
         replies = [
             reply_body(Op.REGISTER, h)
             for h, _ in self._while_in_use(
-                lambda: self._all(Op.REGISTER, clock=clock, body={"resume": resume})
+                lambda: self._all(Op.REGISTER, clock=clock, body=RegisterRequest(resume=resume))
             )
         ]
         if resume:  # updates the shards applied before the stop that their checkpoints missed
@@ -137,7 +142,9 @@ class PSClient:
             # everywhere, or a pull would wait on this wave's own older clock forever.
             replies = [
                 reply_body(Op.REGISTER, h)
-                for h, _ in self._all(Op.REGISTER, clock=max(clocks), body={"exact": True})
+                for h, _ in self._all(
+                    Op.REGISTER, clock=max(clocks), body=RegisterRequest(exact=True)
+                )
             ]
             clocks = [r.clock for r in replies]
         self.init()
@@ -151,16 +158,18 @@ class PSClient:
         return ["shm" if link else "tcp" for link in self.shm]
 
     def init(self) -> None:
-        messages = []
-        for chunks in self.chunks:
-            h = self._header(
-                Op.INIT,
-                keys=[c.key for c in chunks],
-                body={"trainable": [c.trainable for c in chunks]},
-            )
-            messages.append((h, [self._host(self.tensors[c.name], c) for c in chunks]))
+        messages = [self._init_message(chunks) for chunks in self.chunks]
         self._copies_done()
         self._exchange(messages)
+
+    def _init_message(self, chunks: list[Chunk]) -> tuple[Header, list[torch.Tensor]]:
+        """Our current weights for one shard's chunks: they seed it if it holds none."""
+        h = self._header(
+            Op.INIT,
+            keys=[c.key for c in chunks],
+            body=InitRequest(trainable=[c.trainable for c in chunks]),
+        )
+        return h, [self._host(self.tensors[c.name], c) for c in chunks]
 
     def pull(self, clock: int, observer: bool = False) -> PullResult:
         """Read every shard's weights into our tensors (may wait for the staleness bound)."""
@@ -169,7 +178,7 @@ class PSClient:
                 self._header(
                     Op.PULL,
                     clock=clock,
-                    body={"observer": True} if observer else {"shm": link is not None},
+                    body=PullRequest(observer=True) if observer else PullRequest(shm=bool(link)),
                 ),
                 [],
             )
@@ -190,7 +199,7 @@ class PSClient:
                 clock=clock,
                 read_version=read_versions[shard],
                 keys=[c.key for c in chunks],
-                body={"lr_scale": lr_scale, "shm": link is not None},
+                body=PushRequest(lr_scale=lr_scale, shm=link is not None),
             )
             if link is None:
                 messages.append((h, [self._push_tensor(c) for c in chunks]))
@@ -246,7 +255,7 @@ class PSClient:
                 return
             except OSError as e:
                 reason = f"cannot open its shared-memory segments ({e})"
-            self._request_one(i, self._header(Op.ATTACH, body={"transport": "tcp"}))
+            self._request_one(i, self._header(Op.ATTACH, body=AttachRequest(transport="tcp")))
         else:
             reason = offer.reason or "it offers no shared memory"
         if self.transport == "shm":
@@ -334,9 +343,15 @@ class PSClient:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def _header(self, op: Op, **fields) -> Header:
+    def _header(self, op: Op, body: Body | None = None, **fields) -> Header:
+        """A request of this wave; ``body`` is the op's typed request body (common/protocol)."""
         return Header(
-            op=op, worker=self.worker, wave=self.wave, plan=self.plan.fingerprint, **fields
+            op=op,
+            worker=self.worker,
+            wave=self.wave,
+            plan=self.plan.fingerprint,
+            body=body.to_wire() if body is not None else {},
+            **fields,
         )
 
     def _all(self, op: Op, **fields) -> list[tuple[Header, list[torch.Tensor]]]:
@@ -381,8 +396,8 @@ class PSClient:
                 if sock in self._monitor_index:
                     self._on_monitor_event(sock)
                     continue
-                h, tensors = decode(sock.recv_multipart(copy=False))
                 i = self._socket_index[sock]
+                h, tensors = decode_reply(sock.recv_multipart(copy=False), self.addresses[i])
                 if h.request_id != rid or replies[i] is not None:
                     continue  # a late answer to a request we gave up on or recovered from
                 if h.op == Op.ERROR:
@@ -461,13 +476,7 @@ class PSClient:
                 "shard %s lost %d update(s) (back at version %d)", self.addresses[i], lost, restored
             )
         if not registered.initialized:
-            chunks = self.chunks[i]
-            init = self._header(
-                Op.INIT,
-                keys=[c.key for c in chunks],
-                body={"trainable": [c.trainable for c in chunks]},
-            )
-            tensors = [self._host(self.tensors[c.name], c) for c in chunks]
+            init, tensors = self._init_message(self.chunks[i])
             self._copies_done()
             self._request_one(i, init, tensors)
         self._attach(i)  # a restarted shard made new segments (or none)
@@ -475,7 +484,7 @@ class PSClient:
 
     def _register_again(self, i: int, clock: int) -> Header:
         """Register with shard ``i`` at exactly ``clock``."""
-        header = self._header(Op.REGISTER, clock=clock, body={"exact": True})
+        header = self._header(Op.REGISTER, clock=clock, body=RegisterRequest(exact=True))
         return self._while_in_use(lambda: self._request_one(i, header))
 
     def _while_in_use(self, register):
@@ -506,7 +515,7 @@ class PSClient:
             if self.stop.is_set():
                 raise StopRequested()
             if sock.poll(200):
-                h, out = decode(sock.recv_multipart(copy=False))
+                h, out = decode_reply(sock.recv_multipart(copy=False), self.addresses[i])
                 if h.request_id != rid:
                     continue
                 raise_for_error(h, self.addresses[i])
@@ -606,7 +615,7 @@ def call_shard(
             raise ShardTimeout(
                 f"shard {address} did not answer {op} within {timeout_s:.0f}s", [address]
             )
-        h, _ = decode(sock.recv_multipart(copy=False))
+        h, _ = decode_reply(sock.recv_multipart(copy=False), address)
         raise_for_error(h, address)
         return h
     finally:

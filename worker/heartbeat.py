@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import zmq
 
-from wavelet.common.protocol import Header, Op, send_message
+from wavelet.common.protocol import Header, HeartbeatRequest, Op, send_message
 from wavelet.common.security import ClientKeys
 from wavelet.worker.client import connect_dealer
 
@@ -44,7 +44,9 @@ class Heartbeat(threading.Thread):
         try:
             while not self.stopped.wait(self.every_s):
                 header = Header(
-                    op=Op.HEARTBEAT, worker=self.worker, body={"waves": self.live_waves()}
+                    op=Op.HEARTBEAT,
+                    worker=self.worker,
+                    body=HeartbeatRequest(waves=self.live_waves()).to_wire(),
                 )
                 for s in sockets:
                     try:
