@@ -19,12 +19,12 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from wavelet.common.config import ConfigError, JobConfig
 from wavelet.common.job import build_dataset_and_model
 from wavelet.common.models import checkpoint_blocks
 from wavelet.worker.memory import SavedActivationMeter
+from wavelet.worker.step import training_step
 
 _UNITS = {
     "": 1,
@@ -117,13 +117,13 @@ class ActivationProbe:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            F.cross_entropy(self.model(x), y).backward()
+            training_step(self.model, (x, y)).backward()
             self.model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - base
         meter = SavedActivationMeter(self.model.parameters())
         with meter.hooks():
-            loss = F.cross_entropy(self.model(x), y)
+            loss = training_step(self.model, (x, y))
         del loss
         return meter.peak
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from wavelet.common.config import ConfigError, WorkerConfig
@@ -28,6 +27,7 @@ from wavelet.common.schedule import lr_factor, progress
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory
 from wavelet.worker.metrics import serve_worker_metrics
+from wavelet.worker.step import training_step
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class AllReduceWorker:
                     t0 = time.perf_counter()
                     t_start = time.time()
                     with meter.hooks():
-                        loss = F.cross_entropy(ddp(x), y)
+                        loss = training_step(ddp, (x, y))
                     t_end = time.time()
                     t1 = time.perf_counter()
                     optimizer.zero_grad(set_to_none=True)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import zmq
 
 from wavelet.common.config import WorkerConfig
@@ -29,6 +28,7 @@ from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import PSClient, StopRequested, client_keys
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, device_memory
+from wavelet.worker.step import training_step
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class Wave:
             meter.reset_peak()
             rec["t_forward_start"] = time.time()
             with meter.hooks():
-                loss = F.cross_entropy(model(x), y)
+                loss = training_step(model, (x, y))
             rec["t_forward_end"] = time.time()
             # Hand the baton over once backward has freed all but a fraction of this forward's
             # activations, so the next forward never stacks on a full set (docs/design.md).
