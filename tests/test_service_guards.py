@@ -248,3 +248,19 @@ def test_shutdown_cleans_up_whatever_the_final_checkpoint_raises(tmp_path, monke
     assert _codes(out) == ["shutting_down"]
     assert not list(SHM_DIR.glob(service.datapath.segments.prefix + "*"))
     assert service.checkpoints.push_log._file.closed
+
+
+def test_with_curve_a_wave_is_reclaimed_only_with_its_own_key(tmp_path):
+    service = service_for(tmp_path, shm=False)
+    try:
+        wave = ServiceWave(service)
+        wave.peer = Peer(b"first", key="KEY-A")
+        wave.join()
+        service.connection_closed(b"first")  # the worker restarts...
+        wave.peer = Peer(b"stranger", key="KEY-B")  # ...but another client key claims the wave
+        h = wave.request(Op.REGISTER, clock=0)
+        assert h.op == "error" and h.body["code"] == "wave_in_use"
+        wave.peer = Peer(b"second", key="KEY-A")  # the same client key, on a new connection
+        assert wave.request(Op.REGISTER, clock=0).op == "reply"
+    finally:
+        service.close()
