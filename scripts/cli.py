@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import time
 import typing
@@ -36,6 +35,7 @@ from wavelet.common.config import (
     load_toml,
     parse_override,
 )
+from wavelet.scripts.signals import on_signals
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         from wavelet.ps.metrics import serve_shard_metrics
 
         endpoint = serve_shard_metrics(server, config)
-    _on_signals(server.stop)
+    on_signals(server.stop)
     print(f"shard {config.shard_index} listening on {server.address}", flush=True)
     try:
         server.serve_forever()
@@ -252,7 +252,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
         check_job(config.job, config.num_workers * config.job.waves)
         daemon = WorkerDaemon(config)
-    _on_signals(daemon.stop)
+    on_signals(daemon.stop)
     return daemon.run()
 
 
@@ -418,15 +418,6 @@ def _client_keys(args: argparse.Namespace):
     if not args.curve_secret:
         return None
     return ClientKeys.load(args.curve_secret, args.curve_server_key)
-
-
-def _on_signals(stop: Callable[[], None]) -> None:
-    def handler(signum, frame):
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
 
 
 def _add_client_key_flags(p: argparse.ArgumentParser) -> None:

@@ -227,9 +227,9 @@ def _shard(job, role, layout, index, store, run_dir, options) -> int:
         raise ConfigError(str(e)) from None
     store.set(_key(role, f"shard/{index}"), server.address)
     log.info("shard %d of %d serving on %s", index, layout.shards, server.address)
-    from wavelet.scripts.cli import _on_signals
+    from wavelet.scripts.signals import on_signals
 
-    _on_signals(server.stop)
+    on_signals(server.stop)
     server.serve_forever()
     return 0
 
@@ -282,9 +282,9 @@ def _worker(job, role, layout, store, run_dir, options) -> int:
     )
     check_job(job, layout.workers * job.waves)
     daemon = WorkerDaemon(config)
-    from wavelet.scripts.cli import _on_signals
+    from wavelet.scripts.signals import on_signals
 
-    _on_signals(daemon.stop)
+    on_signals(daemon.stop)
     started = time.time()
     if rank == 0:
         code = _report_while(daemon, job, role, layout, store, addresses, run_dir, started, keys)
@@ -299,7 +299,7 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
     done, test the shards' weights, print the summary, write summary.json, stop the shards."""
     import threading
 
-    from wavelet.scripts.launch import Progress, format_summary, summarize
+    from wavelet.scripts.report import Progress, format_summary, summarize
 
     result: list[int] = []
     trainer = threading.Thread(target=lambda: result.append(daemon.run()), name="train")
@@ -352,7 +352,7 @@ def _allreduce_rank(job, role, run_dir, options) -> int:
     started = time.time()
     code = AllReduceWorker(config).run()
     if role.rank == 0 and code == 0:
-        from wavelet.scripts.launch import Progress, format_summary, summarize
+        from wavelet.scripts.report import Progress, format_summary, summarize
 
         progress = Progress(Path(run_dir), job.epochs, since=started)
         summary = summarize(Path(run_dir), "allreduce (torchrun)", job, [], progress)

@@ -12,7 +12,7 @@ from conftest import between_checkpoints, kill_tree, run_wavelet, started, wait_
 from wavelet.common import shm
 from wavelet.common.records import last_record, read_records
 from wavelet.ps.checkpoints import read_checkpoint
-from wavelet.scripts.launch import Progress
+from wavelet.scripts.report import Progress
 
 
 def _processes_mentioning(text: str) -> list[int]:

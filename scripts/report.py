@@ -1,0 +1,185 @@
+"""What a job shows and leaves: the progress line read from the workers' records as they grow,
+and at the end the summary (the shards' test accuracy, samples/s, lost updates, staleness per
+wave) printed and written to ``summary.json``. ``wavelet launch`` and ``wavelet run`` share it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from wavelet.common.config import JobConfig
+from wavelet.common.metrics import push_staleness
+from wavelet.common.protocol import AdminRequest, Op
+from wavelet.scripts.plots import staleness_histograms
+from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
+from wavelet.scripts.tensorboard_log import RunBoard
+from wavelet.worker.client import call_shard
+from wavelet.worker.evaluate import evaluate_shards
+
+
+def summarize(
+    run_dir: Path,
+    mode: str,
+    job_cfg: JobConfig,
+    addresses: list[str],
+    progress: Progress,
+    keys=None,
+    admin_token: str = "",
+) -> dict:
+    """The end of a job: with shards, test their weights, fetch their statistics and stop them;
+    then write and return summary.json (accuracy, samples/s, lost updates, staleness per wave)."""
+    progress.read()
+    if addresses:
+        accuracy = evaluate_shards(addresses, job_cfg, keys=keys)
+        stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
+        for a in addresses:
+            call_shard(a, Op.SHUTDOWN, keys=keys, body=AdminRequest(token=admin_token).to_wire())
+        staleness_histograms(push_staleness(run_dir), run_dir / "staleness.png")
+    else:
+        accuracy = progress.final_accuracy
+        stats = {}
+    if progress.board is not None and accuracy is not None:
+        progress.board.final(accuracy)
+    summary = {
+        "run_dir": str(run_dir),
+        "mode": mode,
+        "test_accuracy": accuracy,
+        "samples": progress.samples,
+        "train_seconds": progress.elapsed(),
+        "samples_per_s": progress.samples / max(progress.elapsed(), 1e-9),
+        "lost_updates": progress.lost_updates,
+        "waves": stats,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    acc = s["test_accuracy"]
+    lines = [
+        f"final test accuracy: {100 * acc:.2f}%" if acc is not None else "no final accuracy",
+        f"throughput: {s['samples_per_s']:.0f} samples/s ({s['samples']} samples in "
+        f"{s['train_seconds']:.1f}s, all waves)",
+    ]
+    if s.get("lost_updates"):
+        lines.append(f"restarted shards lost {s['lost_updates']} update(s) (see the records)")
+    if s["waves"]:
+        lines += [
+            "staleness per wave (updates applied between a wave's read and its push):",
+            format_wave_table(s["waves"]),
+        ]
+    lines.append(f"records, logs and summary.json: {s['run_dir']}")
+    return "\n".join(lines)
+
+
+class Progress:
+    """Reads the workers' records as they grow and summarises them in one line."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        epochs: int,
+        every_s: float = 2.0,
+        since: float = 0.0,
+        board: RunBoard | None = None,
+    ):
+        self.dir = run_dir / "records"
+        self.board = board  # TensorBoard scalars, written from the same records
+        self._board_t: float | None = None
+        self.since = since  # records from before (a resumed run's first part) do not count
+        self.epochs = epochs
+        self.every_s = every_s
+        self._offsets: dict[Path, int] = {}
+        self._next = time.monotonic() + every_s
+        self.samples = 0
+        self.first_t: float | None = None
+        self.last_t: float | None = None
+        self.loss: dict[str, float] = {}
+        self.epoch = 0
+        self.steps = 0
+        self.accuracy: float | None = None
+        self.final_accuracy: float | None = None
+        self.lost_updates = 0  # most updates any wave saw a restarted shard lose
+        self.tcp_reasons: list[str] = []  # why waves that could use shared memory do not
+        self._told_tcp = False
+
+    def due(self) -> bool:
+        if time.monotonic() < self._next:
+            return False
+        self._next = time.monotonic() + self.every_s
+        return True
+
+    def read(self) -> None:
+        for path in sorted(self.dir.glob("worker-*.jsonl")):
+            wave = path.stem.replace("worker-", "w").replace("-wave-", "/")
+            for r in self._new_records(path):
+                self._take(wave, r)
+        if self.board:
+            for path in sorted(self.dir.glob("ps-*-pushes.jsonl")):
+                for r in self._new_records(path):
+                    if r.get("t", self.since) >= self.since:
+                        self.board.push(r)
+            if self.elapsed() > 0 and self.last_t != self._board_t:
+                self._board_t = self.last_t
+                self.board.throughput(self.samples / self.elapsed(), self.elapsed(), self.last_t)
+
+    def _new_records(self, path: Path):
+        with open(path) as f:
+            f.seek(self._offsets.get(path, 0))
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                self._offsets[path] = self._offsets.get(path, 0) + len(line.encode())
+                yield json.loads(line)
+
+    def _take(self, wave: str, r: dict) -> None:
+        if r.get("t", self.since) < self.since:
+            return
+        if self.board:
+            if r["kind"] == "step":
+                self.board.step(wave, r)
+            elif r["kind"] in ("eval", "final"):
+                self.board.evaluation(r.get("epoch", self.epoch) + 1, r["test_acc"], r["t"])
+        if r["kind"] == "start":
+            self.first_t = r["t"] if self.first_t is None else min(self.first_t, r["t"])
+            self.tcp_reasons += [
+                f"{wave} to {shard}: {why}" for shard, why in r.get("tcp_reasons", {}).items()
+            ]
+        elif r["kind"] == "step":
+            self.samples += r["samples"]
+            self.steps += 1
+            self.epoch = max(self.epoch, r["epoch"] + 1)
+            self.loss[wave] = r["loss"]
+            self.lost_updates = max(self.lost_updates, r.get("lost_updates", 0))
+            self.last_t = r["t"] if self.last_t is None else max(self.last_t, r["t"])
+        elif r["kind"] == "eval":
+            self.accuracy = r["test_acc"]
+        elif r["kind"] == "final":
+            self.final_accuracy = r["test_acc"]
+
+    def shared_memory_note(self) -> str:
+        """Once, the first time waves fell back to TCP on a full shared-memory folder: one line
+        saying why and what to do ("" otherwise)."""
+        full = [r for r in self.tcp_reasons if "--shm-size" in r]
+        if self._told_tcp or not full:
+            return ""
+        self._told_tcp = True
+        return f"shared memory is full; {len(full)} wave link(s) use TCP instead ({full[0]})"
+
+    def elapsed(self) -> float:
+        if self.first_t is None or self.last_t is None:
+            return 0.0
+        return self.last_t - self.first_t
+
+    def line(self, wall: float) -> str:
+        # "-" until there is a number: no "loss nan  0 samples/s" before the first step
+        loss = f"{sum(self.loss.values()) / len(self.loss):.4f}" if self.loss else "-"
+        rate = f"{self.samples / self.elapsed():.0f}" if self.elapsed() > 0 else "-"
+        acc = f"  test acc {100 * self.accuracy:.1f}%" if self.accuracy is not None else ""
+        epochs = f"/{self.epochs}" if self.epochs else ""
+        return (
+            f"[{wall:6.1f}s] epoch {self.epoch}{epochs}  steps {self.steps}  "
+            f"loss {loss}  {rate} samples/s{acc}"
+        )

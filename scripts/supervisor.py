@@ -1,0 +1,162 @@
+"""Supervision of a job's child processes: spawn them, restart the ones that die (up to a
+budget), report the first failure, and tear everything down (SIGTERM, a grace period, SIGKILL).
+
+Every child gets SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``), so no daemon is
+orphaned, and its own session, so a Ctrl-C reaches the launcher alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from wavelet.common.config import LaunchConfig
+from wavelet.common.security import JobKeys
+from wavelet.common.shm import remove_segments, run_prefix
+
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    address: str = ""  # a shard's bound address: a restarted shard binds it again
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+USAGE_ERROR = 2  # how a daemon exits when it refuses its settings (one line on stderr)
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, child: Child, code: int | None, hint: str = ""):
+        self.child = child
+        what = "did not start in time" if code is None else f"exited with status {code}"
+        super().__init__(
+            f"{child.name} {what}; last lines of {child.log}:\n{child.tail()}"
+            + (f"\n{hint}" if hint else "")
+        )
+
+
+class ChildDidNotStart(ChildFailed):
+    """A daemon refused to start (a port in use, a bad setting): its own one line says why, and
+    nothing ran that a resume could go on from."""
+
+    def __init__(self, child: Child, code: int):
+        self.child = child
+        RuntimeError.__init__(self, f"{child.name} could not start: {child.tail(1).strip()}")
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, so no daemon is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Job:
+    config: LaunchConfig
+    run_dir: Path
+    keys: JobKeys | None = None
+    admin_token: str = ""
+    children: list[Child] = field(default_factory=list)
+    restarts: int = 0
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        log = self.run_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        child = Child(name, self._popen(args, env or {}, log, "wb"), log, args, env or {})
+        self.children.append(child)
+        return child
+
+    def _popen(self, args: list[str], env: dict[str, str], log: Path, mode: str):
+        with open(log, mode) as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "wavelet.scripts.cli", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            )
+
+    def all_running(self) -> bool:
+        return all(c.proc.poll() is None for c in self.children)
+
+    def supervise(self, allow_exit: tuple[Child, ...] = (), say=print) -> None:
+        """Restart a child that died, up to ``max_restarts`` in all; else raise ChildFailed."""
+        for c in self.children:
+            code = c.proc.poll()
+            if code is None or (code == 0 and c in allow_exit):
+                continue
+            if self.restarts >= self.config.max_restarts or code == USAGE_ERROR:
+                self.check(allow_exit)
+            self.restart(c, code, say)
+
+    def restart(self, child: Child, code: int, say=print) -> None:
+        """Start a dead child again: a shard on the address it had (it restores its last
+        checkpoint and the waves re-join it), a worker with --resume (from the shards' clocks)."""
+        self.restarts += 1
+        args = list(child.args)
+        if child.address:
+            args[args.index("--bind") + 1] = child.address
+        elif "--resume" not in args:
+            args.append("--resume")
+        say(
+            f"{child.name} exited with status {code}: restarting it "
+            f"({self.restarts}/{self.config.max_restarts} restarts)"
+        )
+        with open(child.log, "ab") as out:
+            out.write(f"\n--- restart {self.restarts} after status {code} ---\n".encode())
+        child.proc = self._popen(args, child.env, child.log, "ab")
+
+    def check(self, allow_exit: tuple[Child, ...] = ()) -> None:
+        for c in self.children:
+            code = c.proc.poll()
+            if code == USAGE_ERROR:  # a setting it refused: its one line says which
+                raise ChildDidNotStart(c, code)
+            if code is not None and (code != 0 or c not in allow_exit):
+                raise ChildFailed(c, code, self.resume_hint() if c.name.startswith("ps-") else "")
+
+    def resume_hint(self) -> str:
+        if any((self.run_dir / "checkpoints").glob("shard-*.pt")):
+            return (
+                f"the job stopped; go on from the shards' last checkpoints with: "
+                f"wavelet launch --resume {self.run_dir}"
+            )
+        return (
+            "the job stopped before any shard checkpoint was written; start it again, with "
+            "--checkpoint-every N to be able to resume next time"
+        )
+
+    def teardown(self) -> None:
+        """SIGTERM every child still running, wait, then SIGKILL what is left; then remove the
+        shared-memory segments a killed shard could not."""
+        alive = [c for c in self.children if c.proc.poll() is None]
+        for c in alive:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in alive:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        remove_segments(run_prefix(self.run_dir))
