@@ -46,6 +46,43 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
+def flag_of(f: dataclasses.Field) -> str:
+    """The command-line flag of config field ``f`` ("" for a field without one)."""
+    flag = f.metadata.get("flag")
+    if flag == "":
+        return ""
+    return flag or "--" + f.name.replace("_", "-")
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def command_line(config: Any) -> list[str]:
+    """The flags that give a daemon ``config`` (its settings that differ from the defaults),
+    generated from the same field metadata as the flags themselves: a launcher that builds a
+    config object and passes this can forget no setting on the way to a child."""
+    args: list[str] = []
+    for f in dataclasses.fields(config):
+        flag, value = flag_of(f), getattr(config, f.name)
+        if not flag or value == _default_of(f):
+            continue
+        if isinstance(_default_of(f), bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{f.name} must be true or false, got {value!r}")
+            args.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list) and flag == "--shard":
+            for item in value:
+                args += [flag, str(item)]
+        elif isinstance(value, list):
+            args += [flag, ",".join(str(v) for v in value)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
 def check_settings(config: Any, prefix: str = "") -> None:
     """Checks every config shares: no NaN anywhere, no infinity where the field does not allow
     one (only a staleness bound may be inf), and ``choices`` respected."""

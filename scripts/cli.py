@@ -31,6 +31,7 @@ from wavelet.common.config import (
     apply_override,
     check_address,
     check_device,
+    flag_of,
     from_dict,
     load_toml,
     parse_override,
@@ -98,10 +99,9 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...
     """One flag per field of config dataclass ``cls`` that has one (dest: the field's name)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        flag = f.metadata.get("flag")
-        if flag == "" or f.name in skip:
+        flag = flag_of(f)
+        if not flag or f.name in skip:
             continue
-        flag = flag or "--" + f.name.replace("_", "-")
         kind, default = hints[f.name], _field_default(f)
         kw: dict[str, Any] = {"dest": f.name, "help": _flag_help(f, default)}
         if kind is bool:
@@ -199,7 +199,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     if args.resume:
         return launch(_resumed(args.resume), quiet=args.quiet)
-    return launch(config_from_args(LaunchConfig, args, job=job_from_args(args)), quiet=args.quiet)
+    # --resume RUN_DIR is handled above; the config's own resume flag is then False, not the path
+    config = config_from_args(LaunchConfig, args, job=job_from_args(args), resume=False)
+    return launch(config, quiet=args.quiet)
 
 
 def _resumed(run_dir: str) -> LaunchConfig:

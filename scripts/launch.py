@@ -16,7 +16,15 @@ import sys
 import time
 from pathlib import Path
 
-from wavelet.common.config import ConfigError, JobConfig, LaunchConfig, to_dict
+from wavelet.common.config import (
+    ConfigError,
+    JobConfig,
+    LaunchConfig,
+    PSConfig,
+    WorkerConfig,
+    command_line,
+    to_dict,
+)
 from wavelet.common.job import check_job
 from wavelet.common.protocol import ShardError
 from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
@@ -75,7 +83,7 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
             workers = _start_ps_workers(job, job_file, addresses)
         else:
             addresses = []
-            workers = _start_ranks(job, job_file)
+            workers = _start_ranks(job, job_file, job_cfg)
         _say(quiet, f"run dir {run_dir}: {describe(config, job_cfg)}")
         if config.metrics_port >= 0:
             expected = len(addresses) + len(workers)
@@ -151,42 +159,32 @@ def _threads_per_process(devices: list[str], per_device: int = 1) -> int:
 
 
 def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:
+    cfg = job.config
     shards = []
-    for i in range(job.config.job.shards):
+    for i in range(cfg.job.shards):
         ready = job.run_dir / f"ps-{i}.addr"
         ready.unlink(missing_ok=True)
-        args = [
-            "ps",
-            "--config",
-            str(job_file),
-            "--shard-index",
-            str(i),
-            "--bind",
-            f"tcp://{job.config.host}:0",
-            "--expect-waves",
-            str(total_waves),
-            "--ready-file",
-            str(ready),
-            "--run-dir",
-            str(job.run_dir),
-            "--checkpoint-every",
-            str(job.config.checkpoint_every),
-            "--checkpoint-every-s",
-            str(job.config.checkpoint_every_s),
-        ]
+        ps = PSConfig(
+            job=cfg.job,
+            shard_index=i,
+            bind=f"tcp://{cfg.host}:0",
+            expect_waves=total_waves,
+            ready_file=str(ready),
+            run_dir=str(job.run_dir),
+            checkpoint_every=cfg.checkpoint_every,
+            checkpoint_every_s=cfg.checkpoint_every_s,
+            insecure=cfg.insecure,
+            metrics_port=_metrics_port(cfg, i),
+        )
         if job.keys:
-            args += [
-                "--curve-secret",
-                str(job.keys.server_secret),
-                "--curve-authorized",
-                str(job.keys.authorized),
+            ps = dataclasses.replace(
+                ps,
+                curve_secret=str(job.keys.server_secret),
+                curve_authorized=str(job.keys.authorized),
                 # checkpoint and shutdown: only from the launcher's own authenticated key
-                "--curve-admin-key",
-                str(job.keys.client_public("launcher")),
-            ]
-        if job.config.insecure:
-            args.append("--insecure")
-        args += ["--metrics-port", str(_metrics_port(job.config, i))]
+                curve_admin_key=str(job.keys.client_public("launcher")),
+            )
+        args = ["ps", "--config", str(job_file), *command_line(ps)]
         shards.append((job.spawn(f"ps-{i}", args), ready))
     for child, ready in shards:
         child.address = _wait_ready(job, child, ready)
@@ -211,80 +209,52 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
     budget = _threads_per_process(cfg.devices, cfg.processes_per_device)
     workers = []
     for rank, device, index in processes:
-        args = [
-            "worker",
-            "--config",
-            str(job_file),
-            "--device",
-            device,
-            "--rank",
-            str(rank),
-            "--device-index",
-            str(index),
-            "--num-workers",
-            str(len(processes)),
-            "--threads",
-            str(cfg.threads),
-            "--core-budget",
-            str(budget),
-            "--run-dir",
-            str(job.run_dir),
-            "--schedule",
-            cfg.schedule,
-            "--transport",
-            cfg.transport,
-            "--cuda-memory-gib",
-            str(cfg.cuda_memory_gib / cfg.processes_per_device),
-            "--metrics-port",
-            str(_metrics_port(cfg, cfg.job.shards + rank)),
-        ]
-        for a in addresses:
-            args += ["--shard", a]
-        if job.config.resume:
-            args.append("--resume")
-        if job.keys:
-            args += [
-                "--curve-secret",
-                str(job.keys.client_secret(f"worker-{rank}")),
-                "--curve-server-key",
-                str(job.keys.server_public),
-            ]
+        worker = WorkerConfig(
+            job=cfg.job,
+            shard_addresses=addresses,
+            device=device,
+            rank=rank,
+            device_index=index,
+            num_workers=len(processes),
+            threads=cfg.threads,
+            core_budget=budget,
+            run_dir=str(job.run_dir),
+            schedule=cfg.schedule,
+            transport=cfg.transport,
+            cuda_memory_gib=cfg.cuda_memory_gib / cfg.processes_per_device,
+            metrics_port=_metrics_port(cfg, cfg.job.shards + rank),
+            resume=bool(cfg.resume),
+            curve_secret=str(job.keys.client_secret(f"worker-{rank}")) if job.keys else "",
+            curve_server_key=str(job.keys.server_public) if job.keys else "",
+        )
+        args = ["worker", "--config", str(job_file), *command_line(worker)]
         workers.append(job.spawn(f"worker-{rank}", args))
     return workers
 
 
-def _start_ranks(job: Job, job_file: Path) -> list[Child]:
+def _start_ranks(job: Job, job_file: Path, job_cfg: JobConfig) -> list[Child]:
     """DDP ranks with torchrun's environment variables (env:// rendezvous)."""
+    cfg = job.config
     processes = _worker_processes(job)
-    threads = job.config.threads or _threads_per_process(
-        job.config.devices, job.config.processes_per_device
-    )
+    threads = cfg.threads or _threads_per_process(cfg.devices, cfg.processes_per_device)
     env = {
-        "MASTER_ADDR": job.config.host,
-        "MASTER_PORT": str(_free_port(job.config.host)),
+        "MASTER_ADDR": cfg.host,
+        "MASTER_PORT": str(_free_port(cfg.host)),
         "WORLD_SIZE": str(len(processes)),
     }
     ranks = []
     for rank, device, index in processes:
-        args = [
-            "worker",
-            "--mode",
-            "allreduce",
-            "--config",
-            str(job_file),
-            "--device",
-            device,
-            "--device-index",
-            str(index),
-            "--threads",
-            str(threads),
-            "--run-dir",
-            str(job.run_dir),
-            "--cuda-memory-gib",
-            str(job.config.cuda_memory_gib / job.config.processes_per_device),
-            "--metrics-port",
-            str(_metrics_port(job.config, rank)),
-        ]
+        worker = WorkerConfig(
+            job=job_cfg,
+            mode="allreduce",
+            device=device,
+            device_index=index,
+            threads=threads,
+            run_dir=str(job.run_dir),
+            cuda_memory_gib=cfg.cuda_memory_gib / cfg.processes_per_device,
+            metrics_port=_metrics_port(cfg, rank),
+        )
+        args = ["worker", "--config", str(job_file), *command_line(worker)]
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}  # all on this host
         ranks.append(job.spawn(f"worker-{rank}", args, rank_env))
     return ranks

@@ -154,3 +154,52 @@ def test_same_seed_same_weights_even_from_parallel_threads():
         assert not t.is_alive()
     for sd in out[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out[0].values(), sd.values(), strict=True))
+
+
+def test_a_daemons_command_line_carries_every_setting_it_was_given():
+    """The launcher builds each child's flags from its config object: every field that has a
+    flag survives the trip through argv, so a new setting cannot be forgotten on the way."""
+    import dataclasses
+
+    from wavelet.common.config import PSConfig, WorkerConfig, command_line
+    from wavelet.scripts.cli import config_from_args
+
+    job = JobConfig(shards=2)
+    ps = PSConfig(
+        job=job,
+        shard_index=1,
+        bind="tcp://127.0.0.1:5000",
+        expect_waves=4,
+        ready_file="r",
+        run_dir="d",
+        max_parked=7,
+        max_waves=9,
+        checkpoint_every=3,
+        checkpoint_every_s=1.5,
+        insecure=True,
+        shm=False,
+        metrics_port=0,
+        metrics_host="127.0.0.2",
+        admin_token_file="t",
+    )
+    worker = WorkerConfig(
+        job=job,
+        shard_addresses=["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"],
+        rank=1,
+        num_workers=2,
+        threads=1,
+        core_budget=2,
+        run_dir="d",
+        schedule="together",
+        transport="tcp",
+        device_index=3,
+        resume=True,
+        cuda_memory_gib=0.5,
+        metrics_port=0,
+    )
+    parser = build_parser()
+    for config, command in ((ps, "ps"), (worker, "worker")):
+        args = parser.parse_args([command, "--shards", "2", *command_line(config)])
+        back = config_from_args(type(config), args, job=job)
+        for f in dataclasses.fields(config):
+            assert getattr(back, f.name) == getattr(config, f.name), f.name
