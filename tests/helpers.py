@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import msgpack
@@ -16,6 +17,13 @@ from wavelet.ps.service import ShardService
 from wavelet.worker.client import PSClient
 
 TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (on 127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_model(seed: int = 0, hidden: int = 16) -> torch.nn.Module:

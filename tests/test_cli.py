@@ -9,15 +9,10 @@ import pytest
 import torch
 import zmq
 from conftest import run_wavelet
+from helpers import free_port
 
 from wavelet.common.config import JobConfig, LaunchConfig, PSConfig, WorkerConfig
 from wavelet.scripts.cli import build_parser
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -48,7 +43,7 @@ def test_a_worker_without_shards_says_so_in_one_line_and_waits_once():
     silent = ctx.socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
-    shards = [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{_free_port()}"]
+    shards = [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}"]
     timeout_s = 10
     try:
         done = run_wavelet(

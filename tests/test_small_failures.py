@@ -13,17 +13,12 @@ import urllib.request
 import conftest
 import pytest
 from conftest import ShardDaemons, run_wavelet, wait_for
+from helpers import free_port
 
 from wavelet.common.config import ConfigError
 from wavelet.common.records import read_records
 from wavelet.common.security import load_admin_token, write_private
 from wavelet.common.shm import SHM_DIR, run_prefix
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_line(done: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -218,7 +213,7 @@ def test_a_failing_allreduce_rank_reports_its_error_not_a_final_score(tmp_path):
     env = {
         **conftest.CHILD_ENV,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "RANK": "0",
         "WORLD_SIZE": "1",
     }
