@@ -34,7 +34,9 @@ fi
 for i in $(seq 1 "$RUNS"); do
   label="pinned-to-core-$CORE-run-$i-of-$RUNS"
   start=$SECONDS
-  if CI=true taskset -c "$CORE" bash .ci/run </dev/null >"$work/$label.log" 2>&1; then
+  # a pytest temp folder of its own: two of these scripts may run side by side, one per core
+  if CI=true PYTEST_ADDOPTS="--basetemp=$work/tmp-$i" taskset -c "$CORE" bash .ci/run \
+    </dev/null >"$work/$label.log" 2>&1; then
     echo "$label: passed in $((SECONDS - start)) s ($(tail -n 1 "$work/$label.log"))"
   else
     echo "$label: FAILED after $((SECONDS - start)) s; the end of its log:"

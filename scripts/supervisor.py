@@ -115,8 +115,11 @@ class Job:
         checkpoint and the waves re-join it), a worker with --resume (from the shards' clocks)."""
         self.restarts += 1
         args = list(child.args)
-        if child.address:
-            args[args.index("--bind") + 1] = child.address
+        if child.address:  # its flags omit what is the default, --bind included
+            if "--bind" in args:
+                args[args.index("--bind") + 1] = child.address
+            else:
+                args += ["--bind", child.address]
         elif "--resume" not in args:
             args.append("--resume")
         say(

@@ -171,7 +171,7 @@ def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp
     cm, proc, run_dir = _start_launcher(tmp_path, "--epochs", "40", "--checkpoint-every", "60")
     try:
         wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
-        os.kill(_one_process(run_dir, b"--shard-index\x000"), signal.SIGKILL)
+        os.kill(_one_process(run_dir, b"/ps-0.addr"), signal.SIGKILL)
         assert proc.wait(30) == 1
         log = (tmp_path / "launch.log").read_text()
         assert "ps-0 exited with status -9" in log
@@ -204,7 +204,7 @@ def test_launch_restarts_a_killed_shard_and_the_job_finishes(tmp_path):
     )
     try:
         wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
-        os.kill(_one_process(run_dir, b"--shard-index\x000"), signal.SIGKILL)
+        os.kill(_one_process(run_dir, b"/ps-0.addr"), signal.SIGKILL)
         assert proc.wait(200) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     finally:
         cm.__exit__(None, None, None)

@@ -80,6 +80,8 @@ def test_a_ps_job_under_torchrun_reaches_the_accuracy_bar(tmp_path):
         "run",
         "--shards-per-node",
         "2",
+        "--epochs",
+        "20",  # 4 asynchronous waves learn less per sample (issue 18): room above the bar
         "--run-dir",
         str(run_dir),
         timeout=230,
