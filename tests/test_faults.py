@@ -1,6 +1,7 @@
 """Faults: a shard killed with SIGKILL and restarted from its checkpoint; limits; a fuzzed shard
 that never dies; checkpoints that survive a crash at any moment."""
 
+import faulthandler
 import random
 import signal
 import threading
@@ -10,6 +11,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+import zmq
 from conftest import started, wait_for, wavelet_cmd
 from helpers import TIMEOUT_S, RawClient, client_for, tiny_model
 from zmq.utils.monitor import recv_monitor_message
@@ -222,6 +224,31 @@ def test_fuzzed_shard_never_dies_and_then_trains_normally(shard_daemons, tmp_pat
     owner.close()
 
 
+def test_reading_connection_events_never_blocks_the_client(shard_daemons):
+    """A re-join takes in every pending connection event, so a socket the same poll found ready
+    may be empty by the time the client reads it: that read must not block (it hung a wave)."""
+    daemons = shard_daemons(["--staleness", "inf"], count=1)
+    c = client_for(tiny_model(), daemons.addresses)
+    try:
+        c.register(0)
+        c._watch_connections(block_ms=0)  # every event taken in: the monitor is empty now
+        done = threading.Event()
+        reader = threading.Thread(
+            target=lambda: (c._on_monitor_event(c.monitors[0]), done.set()), daemon=True
+        )
+        reader.start()
+        assert done.wait(TIMEOUT_S), "reading an empty monitor blocked"
+    finally:
+        c.close()
+
+
+def _hear_but_ignore(mon) -> None:
+    try:
+        recv_monitor_message(mon, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("noticed", ["first", "never"])
 def test_lost_updates_are_counted_exactly(shard_daemons, noticed):
@@ -270,7 +297,7 @@ def test_lost_updates_are_counted_exactly(shard_daemons, noticed):
                 return ok
 
             c._try_send = spy
-            c._on_monitor_event = lambda mon: recv_monitor_message(mon)  # heard, never noticed
+            c._on_monitor_event = _hear_but_ignore  # the client never notices the reconnection
             result = {}
             flight = threading.Thread(
                 target=lambda: result.update(r=c.push_pull(7, r.versions)), daemon=True
@@ -288,6 +315,8 @@ def test_lost_updates_are_counted_exactly(shard_daemons, noticed):
                 r = c.push_pull(7, r.versions)
             else:
                 flight.join(4 * patience_s)
+                if flight.is_alive():  # where it is stuck, for whoever reads the failure
+                    faulthandler.dump_traceback(all_threads=True)
                 assert not flight.is_alive() and "r" in result, "push_pull did not re-join"
                 r = result["r"]
                 del c._try_send, c._on_monitor_event

@@ -392,12 +392,18 @@ class PSClient:
             for i in [i for i in unsent if self._try_send(i, *unsent[i])]:
                 del unsent[i]
             wait_s = min(left, 0.05 if unsent else 0.2)
+            # Never a blocking read below: a re-join while handling one ready socket may read
+            # what the same poll found ready on another (its reply, its connection events).
             for sock, _ in self.poller.poll(wait_s * 1000):
                 if sock in self._monitor_index:
                     self._on_monitor_event(sock)
                     continue
                 i = self._socket_index[sock]
-                h, tensors = decode_reply(sock.recv_multipart(copy=False), self.addresses[i])
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
+                h, tensors = decode_reply(frames, self.addresses[i])
                 if h.request_id != rid or replies[i] is not None:
                     continue  # a late answer to a request we gave up on or recovered from
                 if h.op == Op.ERROR:
@@ -441,7 +447,10 @@ class PSClient:
 
     def _on_monitor_event(self, mon: zmq.Socket) -> None:
         i = self._monitor_index[mon]
-        event = recv_monitor_message(mon)["event"]
+        try:
+            event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+        except zmq.Again:
+            return  # already taken in by a re-join's _watch_connections
         if event == zmq.EVENT_DISCONNECTED:
             self._down[i] = True
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._down[i]:
