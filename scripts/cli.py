@@ -319,7 +319,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print(format_table(results, args.target_acc))
     print(format_recommendation(results))
     print(f"report: {out / 'report.md'}")
-    return 0 if all(r.metrics for r in results) else 1
+    return 0 if all(r.figures for r in results) else 1
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -344,7 +344,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_admin(args: argparse.Namespace) -> int:
     from wavelet.common.protocol import AdminRequest, Op, ShardError
     from wavelet.common.security import admin_token_file, load_admin_token
-    from wavelet.worker.client import call_shard
+    from wavelet.worker.connection import call_shard
 
     for a in args.addresses:
         check_address("shard address", a)

@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 
 from wavelet.common.config import JobConfig, LaunchConfig
-from wavelet.common.metrics import RunMetrics, run_metrics
+from wavelet.common.figures import RunFigures, run_figures
 from wavelet.scripts.budget import (
     ActivationProbe,
     Budget,
@@ -115,7 +115,7 @@ BUDGET_MODES = ["ticktock", "single", "together", "allreduce", "allreduce2", "al
 class ModeResult:
     name: str
     ok: bool
-    metrics: RunMetrics | None = None
+    figures: RunFigures | None = None
     error: str = ""
     batch: int = 0  # per task (wave or rank), when a memory budget chose it
     predicted_peak: int = 0  # the device peak the budget search measured at that batch
@@ -217,13 +217,13 @@ def compare(
                 ModeResult(
                     name,
                     True,
-                    run_metrics(run_dir, target),
+                    run_figures(run_dir, target),
                     batch=batch,
                     predicted_peak=peak,
                     lr=run_job.optimizer.lr,
                 )
             )
-            print(f"   {results[-1].metrics.one_line()}", flush=True)
+            print(f"   {results[-1].figures.one_line()}", flush=True)
         except BudgetError as e:
             results.append(ModeResult(name, False, error=str(e)))
         except Exception as e:  # one broken mode must not lose the others' results
@@ -252,10 +252,10 @@ def table_rows(
     width = len(COLUMNS) + (len(BUDGET_COLUMNS) if budget else 0)
     rows = []
     for r in results:
-        if not r.ok or r.metrics is None:
+        if not r.ok or r.figures is None:
             rows.append([r.name, "failed", r.error] + [""] * (width - 3))
             continue
-        m = r.metrics
+        m = r.figures
         worst = max(m.peak_bytes_per_device.values(), default=0)
         ratio = m.memory_ratio
         stale = ", ".join(f"{w} {s['mean']:.2f}/{s['p99']}" for w, s in m.staleness.items())
@@ -284,7 +284,7 @@ def format_table(results: list[ModeResult], target: float, budget: BudgetPlan | 
     return "\n".join(lines)
 
 
-def _why(name: str, m: RunMetrics) -> str:
+def _why(name: str, m: RunFigures) -> str:
     """Where a mode's step time goes, from its records (means per step and wave or rank)."""
     t = m.step_means
     if not t:
@@ -296,7 +296,7 @@ def _why(name: str, m: RunMetrics) -> str:
 def verdict(results: list[ModeResult], target: float, budget: BudgetPlan | None) -> list[str]:
     """The report's first lines: who won on throughput and on time to accuracy, by how much,
     and why, in words, from the records."""
-    ok = [r for r in results if r.ok and r.metrics]
+    ok = [r for r in results if r.ok and r.figures]
     if not ok:
         return ["No mode finished."]
     lines = []
@@ -306,45 +306,45 @@ def verdict(results: list[ModeResult], target: float, budget: BudgetPlan | None)
             f" at {budget.budget.describe()} ({budget.budget_bytes / 1e6:.2f} MB) of activations "
             "per device"
         )
-    fast = sorted(ok, key=lambda r: -r.metrics.samples_per_s)
+    fast = sorted(ok, key=lambda r: -r.figures.samples_per_s)
     best = fast[0]
     if len(fast) > 1:
         second = fast[1]
         lines.append(
-            f"Throughput{at}: `{best.name}` won with {best.metrics.samples_per_s:.0f} samples/s, "
-            f"{best.metrics.samples_per_s / max(second.metrics.samples_per_s, 1e-9):.2f}x "
-            f"`{second.name}` ({second.metrics.samples_per_s:.0f})."
+            f"Throughput{at}: `{best.name}` won with {best.figures.samples_per_s:.0f} samples/s, "
+            f"{best.figures.samples_per_s / max(second.figures.samples_per_s, 1e-9):.2f}x "
+            f"`{second.name}` ({second.figures.samples_per_s:.0f})."
         )
     reached = sorted(
-        (r for r in ok if r.metrics.time_to_target_s is not None),
-        key=lambda r: r.metrics.time_to_target_s,
+        (r for r in ok if r.figures.time_to_target_s is not None),
+        key=lambda r: r.figures.time_to_target_s,
     )
     if reached:
         first = reached[0]
         line = (
             f"Time to {100 * target:g}%: `{first.name}` first, after "
-            f"{first.metrics.time_to_target_s:.1f} s"
+            f"{first.figures.time_to_target_s:.1f} s"
         )
         if len(reached) > 1:
             line += (
-                f"; `{reached[1].name}` after {reached[1].metrics.time_to_target_s:.1f} s "
-                f"({reached[1].metrics.time_to_target_s / first.metrics.time_to_target_s:.2f}x)"
+                f"; `{reached[1].name}` after {reached[1].figures.time_to_target_s:.1f} s "
+                f"({reached[1].figures.time_to_target_s / first.figures.time_to_target_s:.2f}x)"
             )
-        missed = [r.name for r in ok if r.metrics.time_to_target_s is None]
+        missed = [r.name for r in ok if r.figures.time_to_target_s is None]
         lines.append(line + (f"; not reached by {', '.join(missed)}." if missed else "."))
     else:
         lines.append(f"No mode reached {100 * target:g}% test accuracy.")
     by_name = {r.name: r for r in ok}
     allreduce = [r for r in ok if MODES[r.name].allreduce]
     if "ticktock" in by_name and allreduce:
-        rival = max(allreduce, key=lambda r: r.metrics.samples_per_s)
+        rival = max(allreduce, key=lambda r: r.figures.samples_per_s)
         tt = by_name["ticktock"]
         lines.append(
             f"Tick-tock against the best all-reduce variant (`{rival.name}`): "
-            f"{tt.metrics.samples_per_s / max(rival.metrics.samples_per_s, 1e-9):.2f}x its "
+            f"{tt.figures.samples_per_s / max(rival.figures.samples_per_s, 1e-9):.2f}x its "
             "samples/s."
         )
-    why = [_why(r.name, r.metrics) for r in fast[:3]]
+    why = [_why(r.name, r.figures) for r in fast[:3]]
     lines += ["Why: " + "; ".join(w for w in why if w) + "."] if any(why) else []
     failed = [r for r in results if not r.ok]
     for r in failed:
@@ -355,7 +355,7 @@ def verdict(results: list[ModeResult], target: float, budget: BudgetPlan | None)
 def write_report(
     results: list[ModeResult], out: Path, target: float, budget: BudgetPlan | None = None
 ) -> None:
-    ok = {r.name: r.metrics for r in results if r.ok and r.metrics}
+    ok = {r.name: r.figures for r in results if r.ok and r.figures}
     accuracy_vs_time(ok, out / "accuracy.png", target)
     memory_timelines(
         {n: m for n, m in ok.items() if n in ("ticktock", "together")}, out / "memory.png"
@@ -364,8 +364,8 @@ def write_report(
         json.dumps(
             {
                 r.name: (
-                    {**r.metrics.to_json(), "batch": r.batch, "lr": r.lr}
-                    if r.metrics
+                    {**r.figures.to_json(), "batch": r.batch, "lr": r.lr}
+                    if r.figures
                     else {"error": r.error}
                 )
                 for r in results

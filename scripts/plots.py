@@ -9,10 +9,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from wavelet.common.metrics import RunMetrics, combined_timeline  # noqa: E402
+from wavelet.common.figures import RunFigures, combined_timeline  # noqa: E402
 
 
-def accuracy_vs_time(runs: dict[str, RunMetrics], path: Path, target: float | None = None) -> None:
+def accuracy_vs_time(runs: dict[str, RunFigures], path: Path, target: float | None = None) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, m in runs.items():
         if m.accuracy_curve:
@@ -30,7 +30,7 @@ def accuracy_vs_time(runs: dict[str, RunMetrics], path: Path, target: float | No
     plt.close(fig)
 
 
-def memory_timelines(runs: dict[str, RunMetrics], path: Path, device: str = "0") -> None:
+def memory_timelines(runs: dict[str, RunFigures], path: Path, device: str = "0") -> None:
     """Per-wave saved-activation bytes of one device, and their sum, one panel per run."""
     names = [n for n, m in runs.items() if device in m.memory_traces]
     fig, axes = plt.subplots(

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 from wavelet.common.config import JobConfig
-from wavelet.common.metrics import push_staleness
+from wavelet.common.figures import push_staleness
 from wavelet.common.protocol import AdminRequest, Op
 from wavelet.scripts.plots import staleness_histograms
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
 from wavelet.scripts.tensorboard_log import RunBoard
-from wavelet.worker.client import call_shard
+from wavelet.worker.connection import call_shard
 from wavelet.worker.evaluate import evaluate_shards
 
 

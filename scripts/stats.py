@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 
 from wavelet.common.config import ConfigError
-from wavelet.common.metrics import quantile
+from wavelet.common.figures import quantile
 from wavelet.common.protocol import Op, ShardError
 from wavelet.common.security import JobKeys
-from wavelet.worker.client import call_shard
+from wavelet.worker.connection import call_shard
 
 
 def fetch_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> list[dict]:

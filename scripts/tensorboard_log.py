@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from wavelet.common.metrics import quantile
+from wavelet.common.figures import quantile
 
 STEP_TIMES = ("forward_s", "backward_s", "push_pull_s", "baton_wait_s")
 STALENESS_WINDOW = 20  # pushes per wave (over all shards) per staleness point

@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from wavelet.common.config import INF, STALE_POLICIES, ConfigError, JobConfig, LaunchConfig
-from wavelet.common.metrics import RunMetrics, run_metrics
+from wavelet.common.figures import RunFigures, run_figures
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time
 
@@ -32,7 +32,7 @@ class Setting:
 @dataclasses.dataclass
 class SettingResult:
     setting: Setting
-    metrics: RunMetrics | None = None
+    figures: RunFigures | None = None
     error: str = ""
 
 
@@ -92,8 +92,8 @@ def tune(
                     SettingResult(setting, error=f"exited with {code}; see {run_dir}/logs")
                 )
                 continue
-            results.append(SettingResult(setting, run_metrics(run_dir, target)))
-            print(f"   {results[-1].metrics.one_line()}", flush=True)
+            results.append(SettingResult(setting, run_figures(run_dir, target)))
+            print(f"   {results[-1].figures.one_line()}", flush=True)
         except Exception as e:  # a failed setting is a row, not a lost sweep
             (out / f"{run_dir.name}.error.txt").write_text(traceback.format_exc())
             results.append(SettingResult(setting, error=f"{type(e).__name__}: {e}"))
@@ -103,22 +103,22 @@ def tune(
 
 def recommend(results: list[SettingResult]) -> tuple[SettingResult, SettingResult | None, str]:
     """Best time to the target accuracy; if no setting reached it, best final accuracy."""
-    ok = [r for r in results if r.metrics is not None]
+    ok = [r for r in results if r.figures is not None]
     if not ok:
         raise ValueError("no setting finished")
-    reached = [r for r in ok if r.metrics.time_to_target_s is not None]
+    reached = [r for r in ok if r.figures.time_to_target_s is not None]
     if reached:
-        ranked = sorted(reached, key=lambda r: r.metrics.time_to_target_s)
+        ranked = sorted(reached, key=lambda r: r.figures.time_to_target_s)
         best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
         if second is None:
             return best, None, "the only setting that reached the target"
-        margin = second.metrics.time_to_target_s - best.metrics.time_to_target_s
+        margin = second.figures.time_to_target_s - best.figures.time_to_target_s
         return best, second, f"{margin:.2f}s sooner to the target than the runner-up"
-    ranked = sorted(ok, key=lambda r: -(r.metrics.final_accuracy or 0.0))
+    ranked = sorted(ok, key=lambda r: -(r.figures.final_accuracy or 0.0))
     best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
     if second is None:
         return best, None, "no setting reached the target; the only one that finished"
-    margin = 100 * ((best.metrics.final_accuracy or 0) - (second.metrics.final_accuracy or 0))
+    margin = 100 * ((best.figures.final_accuracy or 0) - (second.figures.final_accuracy or 0))
     if margin == 0:
         why = (
             "no setting reached the target and the best ones tie on final accuracy: this "
@@ -149,7 +149,7 @@ def format_table(results: list[SettingResult], target: float) -> str:
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        s, m = r.setting, r.metrics
+        s, m = r.setting, r.figures
         if m is None:
             lines.append(f"| {_bound(s.bound)} | {s.policy} | failed: {r.error} |" + " |" * 6)
             continue
@@ -178,7 +178,7 @@ def format_recommendation(results: list[SettingResult]) -> str:
 
 
 def write_report(results: list[SettingResult], out: Path, target: float, job: JobConfig) -> None:
-    ok = {r.setting.name: r.metrics for r in results if r.metrics is not None}
+    ok = {r.setting.name: r.figures for r in results if r.figures is not None}
     accuracy_vs_time(ok, out / "accuracy.png", target)
     (out / "metrics.json").write_text(
         json.dumps(
@@ -186,7 +186,7 @@ def write_report(results: list[SettingResult], out: Path, target: float, job: Jo
                 {
                     "bound": _bound(r.setting.bound),
                     "policy": r.setting.policy,
-                    **(r.metrics.to_json() if r.metrics else {"error": r.error}),
+                    **(r.figures.to_json() if r.figures else {"error": r.error}),
                 }
                 for r in results
             ],

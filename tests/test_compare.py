@@ -6,7 +6,7 @@ import matplotlib.image
 import pytest
 from conftest import run_wavelet
 
-from wavelet.common.metrics import combined_timeline, peak, run_metrics
+from wavelet.common.figures import combined_timeline, peak, run_figures
 from wavelet.common.records import read_records
 from wavelet.scripts.compare import COLUMNS, DEFAULT_MODES
 
@@ -75,7 +75,7 @@ def test_compare_report_is_complete_and_matches_the_records(tmp_path):
         assert matplotlib.image.imread(out / png).shape[0] > 100
     # the table's numbers come from the raw records beside it
     for name in ("ticktock", "allreduce"):
-        m = run_metrics(out / name, 0.5)
+        m = run_figures(out / name, 0.5)
         assert rows[name][1] == f"{m.samples_per_s:.0f}"
         samples = sum(
             r["samples"]

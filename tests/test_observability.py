@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from wavelet.common.protocol import Op
 from wavelet.common.records import read_records
-from wavelet.worker.client import call_shard
+from wavelet.worker.connection import call_shard
 
 
 def _total(scraped: dict, name: str) -> float:

@@ -90,7 +90,7 @@ def test_a_bad_push_through_the_segment_changes_nothing(shard_daemons):
         before = shard_values(daemons.addresses)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        link = c.shm[0]
+        link = c.data.links[0]
         keys = [ch.key for ch in c.chunks[0]]
         for bad in (float("nan"), float("inf")):
             for view in link.push_views:

@@ -269,7 +269,7 @@ def test_an_unreadable_reply_is_one_of_the_clients_errors():
     import zmq
 
     from wavelet.common.protocol import BadReply, Op, ShardError
-    from wavelet.worker.client import call_shard
+    from wavelet.worker.connection import call_shard
 
     ctx = zmq.Context.instance()
     liar = ctx.socket(zmq.ROUTER)

@@ -4,7 +4,7 @@ import matplotlib.image
 import pytest
 from conftest import run_wavelet
 
-from wavelet.common.metrics import RunMetrics
+from wavelet.common.figures import RunFigures
 from wavelet.scripts.tune import Setting, SettingResult, recommend, settings_for
 
 
@@ -15,7 +15,7 @@ def test_settings_skip_policies_under_bulk_synchronous():
 
 def _result(name, ttt, acc):
     return SettingResult(
-        Setting(1, name), RunMetrics("x", time_to_target_s=ttt, final_accuracy=acc)
+        Setting(1, name), RunFigures("x", time_to_target_s=ttt, final_accuracy=acc)
     )
 
 

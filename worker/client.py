@@ -1,8 +1,9 @@
-"""PSClient: one wave's connection to every parameter-server shard.
+"""PSClient: one wave's protocol with every parameter-server shard, and its recovery.
 
 Each wave owns a DEALER socket per shard (ZeroMQ sockets are not thread-safe, and separate sockets
 keep the two waves' traffic independent). A request goes to all shards before any reply is awaited,
-and every wait has a deadline and notices a stop request.
+and every wait has a deadline and notices a stop request. Tensors travel through the wave's data
+path (worker/datapath.py: frames or shared memory); this module never touches their bytes.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from wavelet.common.protocol import (
     send_message,
 )
 from wavelet.common.security import ClientKeys
-from wavelet.common.sharding import Chunk, ShardingPlan, chunk_view
-from wavelet.common.shm import Segment
+from wavelet.common.sharding import ShardingPlan
+from wavelet.worker.connection import connect_dealer
+from wavelet.worker.datapath import WaveDataPath
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +88,7 @@ class PSClient:
         self.stop = stop or threading.Event()
         self.chunks = [plan.for_shard(i) for i in range(plan.num_shards)]
         self._ids = itertools.count(1)
-        self._staging: dict[int, torch.Tensor] = {}
-        self._pending_device: torch.device | None = None
+        self.data = WaveDataPath(tensors, self.chunks)
         context = context or zmq.Context.instance()
         self.sockets = []
         for a in addresses:
@@ -120,7 +121,6 @@ class PSClient:
         self.last_versions = [0] * len(self.sockets)  # newest version seen from each shard
         self.lost_updates = 0
         self.transport = transport
-        self.shm: list[ShmLink | None] = [None] * len(self.sockets)  # per shard, once attached
         self.tcp_reasons: dict[str, str] = {}  # shard address -> why it is reached over TCP
 
     # --- operations ---------------------------------------------------------------------------
@@ -155,21 +155,22 @@ class PSClient:
     @property
     def transports(self) -> list[str]:
         """How tensors travel to and from each shard: shm or tcp."""
-        return ["shm" if link else "tcp" for link in self.shm]
+        return self.data.transports
 
     def init(self) -> None:
-        messages = [self._init_message(chunks) for chunks in self.chunks]
-        self._copies_done()
+        messages = [self._init_message(i) for i in range(len(self.chunks))]
+        self.data.flush()
         self._exchange(messages)
 
-    def _init_message(self, chunks: list[Chunk]) -> tuple[Header, list[torch.Tensor]]:
+    def _init_message(self, shard: int) -> tuple[Header, list[torch.Tensor]]:
         """Our current weights for one shard's chunks: they seed it if it holds none."""
+        chunks = self.chunks[shard]
         h = self._header(
             Op.INIT,
             keys=[c.key for c in chunks],
             body=InitRequest(trainable=[c.trainable for c in chunks]),
         )
-        return h, [self._host(self.tensors[c.name], c) for c in chunks]
+        return h, self.data.weights(shard)
 
     def pull(self, clock: int, observer: bool = False) -> PullResult:
         """Read every shard's weights into our tensors (may wait for the staleness bound)."""
@@ -178,11 +179,11 @@ class PSClient:
                 self._header(
                     Op.PULL,
                     clock=clock,
-                    body=PullRequest(observer=True) if observer else PullRequest(shm=bool(link)),
+                    body=PullRequest(observer=True) if observer else PullRequest(shm=shm),
                 ),
                 [],
             )
-            for link in self.shm
+            for shm in map(self.data.shm, range(len(self.sockets)))
         ]
         recover = None if observer else (lambda i: self._recover(i, clock))
         return self._load(self._exchange(messages, recover))
@@ -193,30 +194,22 @@ class PSClient:
         ``lr_scale`` multiplies the learning rate of this update (the job's schedule)."""
         messages = []
         for shard, chunks in enumerate(self.chunks):
-            link = self.shm[shard]
             h = self._header(
                 Op.PUSH_PULL,
                 clock=clock,
                 read_version=read_versions[shard],
                 keys=[c.key for c in chunks],
-                body=PushRequest(lr_scale=lr_scale, shm=link is not None),
+                body=PushRequest(lr_scale=lr_scale, shm=self.data.shm(shard)),
             )
-            if link is None:
-                messages.append((h, [self._push_tensor(c) for c in chunks]))
-                continue
-            for c, view in zip(chunks, link.push_views, strict=True):
-                self._gradient_into(c, view)  # straight into the shard's segment
-            messages.append((h, []))
-        self._copies_done()
+            messages.append((h, self.data.gradients(shard)))
+        self.data.flush()
         return self._load(self._exchange(messages, lambda i: self._recover(i, clock + 1)))
 
     @property
     def round_trip_bytes(self) -> int:
         """Tensor bytes one push_pull puts on the wire (TCP): every chunk up and back, except
         those of shards reached through shared memory."""
-        return 2 * sum(
-            c.nbytes for i, chunks in enumerate(self.chunks) if self.shm[i] is None for c in chunks
-        )
+        return self.data.round_trip_bytes
 
     def leave(self) -> None:
         try:
@@ -228,10 +221,7 @@ class PSClient:
         return [h.body for h, _ in self._all(Op.STATS)]
 
     def close(self) -> None:
-        for i, link in enumerate(self.shm):
-            if link is not None:
-                link.close()
-                self.shm[i] = None
+        self.data.close()
         for s, m in zip(self.sockets, self.monitors, strict=True):
             s.disable_monitor()
             m.close(linger=0)
@@ -244,14 +234,12 @@ class PSClient:
         host, same user); otherwise tell it so and stay on TCP (--transport shm: fail)."""
         if self.transport == "tcp":
             return
-        if self.shm[i] is not None:
-            self.shm[i].close()
-            self.shm[i] = None
+        self.data.use_tcp(i)
         self.tcp_reasons.pop(self.addresses[i], None)
         offer = reply_body(Op.ATTACH, self._request_one(i, self._header(Op.ATTACH)))
         if offer.transport == "shm":
             try:
-                self.shm[i] = ShmLink.open(offer, self.chunks[i])
+                self.data.use_shm(i, offer)
                 return
             except OSError as e:
                 reason = f"cannot open its shared-memory segments ({e})"
@@ -272,66 +260,13 @@ class PSClient:
             reason,
         )
 
-    # --- moving tensors -----------------------------------------------------------------------
-
-    def _gradient_into(self, chunk: Chunk, out: torch.Tensor) -> None:
-        t = self.tensors[chunk.name]
-        if chunk.trainable:
-            if t.grad is None:  # a parameter this batch did not touch
-                out.zero_()
-                return
-            t = t.grad
-        view = chunk_view(t.detach(), chunk)
-        out.copy_(view, non_blocking=view.device.type != "cpu")  # pinned segment: async D2H
-        if view.device.type != "cpu":
-            self._pending_device = view.device
-
-    def _push_tensor(self, chunk: Chunk) -> torch.Tensor:
-        t = self.tensors[chunk.name]
-        if chunk.trainable:
-            if t.grad is None:  # a parameter this batch did not touch
-                return torch.zeros(chunk.numel, dtype=t.dtype)
-            t = t.grad
-        return self._host(t, chunk)
-
-    def _host(self, tensor: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        """The chunk's slice on the host: a view on CPU, a pinned staging copy from a GPU."""
-        view = chunk_view(tensor.detach(), chunk)
-        if view.device.type == "cpu":
-            return view
-        staged = self._staging.get(chunk.key)
-        if staged is None:
-            staged = torch.empty(chunk.numel, dtype=view.dtype, pin_memory=True)
-            self._staging[chunk.key] = staged
-        staged.copy_(view, non_blocking=True)  # the caller waits once for all: _copies_done
-        self._pending_device = view.device
-        return staged
-
-    def _copies_done(self) -> None:
-        """Wait for the device-to-host copies of a message before ZeroMQ reads the buffers."""
-        if self._pending_device is not None:
-            torch.cuda.current_stream(self._pending_device).synchronize()
-            self._pending_device = None
-
     def _load(self, replies: list[tuple[Header, list[torch.Tensor]]]) -> PullResult:
         bodies = [reply_body(Op.PULL, h) for h, _ in replies]
-        with torch.no_grad():
-            for i, (chunks, (_, tensors)) in enumerate(zip(self.chunks, replies, strict=True)):
-                if bodies[i].shm:
-                    link = self.shm[i]
-                    if link is None:
-                        raise ShardError(
-                            f"shard {self.addresses[i]} answered through a shared-memory "
-                            "segment this wave has not attached"
-                        )
-                    tensors = link.pull_views  # the weights this shard wrote for us alone
-                for c, value in zip(chunks, tensors, strict=True):
-                    target = chunk_view(self.tensors[c.name].data, c)
-                    if target.device.type == "cpu":
-                        target.copy_(value)
-                    else:  # from a pinned segment: asynchronous; done before our next send
-                        target.copy_(value, non_blocking=True)
-                        self._pending_device = target.device
+        for i, (_, tensors) in enumerate(replies):
+            try:
+                self.data.load(i, bodies[i].shm, tensors)
+            except ValueError as e:
+                raise ShardError(f"shard {self.addresses[i]} {e}") from None
         versions = [b.version for b in bodies]
         self.last_versions = [max(a, b) for a, b in zip(self.last_versions, versions, strict=True)]
         return PullResult(
@@ -485,8 +420,8 @@ class PSClient:
                 "shard %s lost %d update(s) (back at version %d)", self.addresses[i], lost, restored
             )
         if not registered.initialized:
-            init, tensors = self._init_message(self.chunks[i])
-            self._copies_done()
+            init, tensors = self._init_message(i)
+            self.data.flush()
             self._request_one(i, init, tensors)
         self._attach(i)  # a restarted shard made new segments (or none)
         return self._request_one_reply(i, self._header(Op.PULL, clock=clock))
@@ -534,98 +469,3 @@ class PSClient:
             f"{self.timeout_s:.0f}s after reconnecting",
             [self.addresses[i]],
         )
-
-
-class ShmLink:
-    """A wave's side of its two segments on one shard: views of its chunks in each."""
-
-    def __init__(self, push: Segment, pull: Segment, chunks: list[Chunk], offsets: list[int]):
-        if len(offsets) != len(chunks):
-            raise OSError(f"the shard laid out {len(offsets)} chunks, the plan has {len(chunks)}")
-        for o, c in zip(offsets, chunks, strict=True):
-            if o < 0 or o + c.nbytes > push.size:
-                raise OSError(
-                    f"chunk {c.key} at byte {o} does not fit the {push.size}-byte segment"
-                )
-        self.push, self.pull = push, pull
-        self.push_views = [self._view(push, o, c) for o, c in zip(offsets, chunks, strict=True)]
-        self.pull_views = [self._view(pull, o, c) for o, c in zip(offsets, chunks, strict=True)]
-
-    @staticmethod
-    def _view(segment: Segment, offset: int, chunk: Chunk) -> torch.Tensor:
-        return segment.tensor(offset, chunk.numel, chunk.desc.torch_dtype)
-
-    @classmethod
-    def open(cls, offer, chunks: list[Chunk]) -> ShmLink:
-        push = Segment.open(offer.push_segment, offer.size, offer.nonce)
-        try:
-            pull = Segment.open(offer.pull_segment, offer.size, offer.nonce)
-        except BaseException:
-            push.close()
-            raise
-        link = cls(push, pull, chunks, offer.offsets)
-        if torch.cuda.is_available():
-            push.pin()
-            pull.pin()
-        return link
-
-    def close(self) -> None:
-        self.push_views.clear()
-        self.pull_views.clear()
-        self.push.close()
-        self.pull.close()
-
-
-def connect_dealer(
-    context: zmq.Context,
-    address: str,
-    keys: ClientKeys | None = None,
-    options: dict[int, int] | None = None,
-) -> zmq.Socket:
-    """A DEALER connected to ``address`` (CURVE-secured when ``keys`` are given), closing with
-    linger 0; ``options`` are extra socket options, ZeroMQ constant -> value."""
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    for option, value in (options or {}).items():
-        sock.setsockopt(option, value)
-    if keys is not None:
-        keys.apply(sock)
-    sock.connect(address)
-    return sock
-
-
-def client_keys(config) -> ClientKeys | None:
-    """The CURVE keys a WorkerConfig names, if any."""
-    if not getattr(config, "curve_secret", ""):
-        return None
-    return ClientKeys.load(config.curve_secret, config.curve_server_key)
-
-
-def call_shard(
-    address: str,
-    op: Op,
-    timeout_s: float = 5.0,
-    context: zmq.Context | None = None,
-    keys: ClientKeys | None = None,
-    **fields,
-) -> Header:
-    """One request to one shard outside any wave (stats, shutdown, checkpoint); raises a
-    ``ShardError`` on an error reply or when the shard does not answer within ``timeout_s``."""
-    context = context or zmq.Context.instance()
-    sock = connect_dealer(context, address, keys, {zmq.SNDTIMEO: int(timeout_s * 1000)})
-    try:
-        try:
-            send_message(sock, Header(op=op, request_id=1, **fields))
-        except zmq.Again:
-            raise ShardTimeout(
-                f"could not send {op} to shard {address} within {timeout_s:.0f}s", [address]
-            ) from None
-        if not sock.poll(timeout_s * 1000):
-            raise ShardTimeout(
-                f"shard {address} did not answer {op} within {timeout_s:.0f}s", [address]
-            )
-        h, _ = decode_reply(sock.recv_multipart(copy=False), address)
-        raise_for_error(h, address)
-        return h
-    finally:
-        sock.close(linger=0)

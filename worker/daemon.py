@@ -23,7 +23,7 @@ from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import build_dataset
 from wavelet.common.models import build_model
 from wavelet.worker.baton import ForwardBaton, NoBaton
-from wavelet.worker.client import client_keys
+from wavelet.worker.connection import client_keys
 from wavelet.worker.heartbeat import Heartbeat
 from wavelet.worker.memory import cap_cuda_memory
 from wavelet.worker.metrics import serve_worker_metrics

@@ -14,7 +14,7 @@ import zmq
 
 from wavelet.common.protocol import Header, HeartbeatRequest, Op, send_message
 from wavelet.common.security import ClientKeys
-from wavelet.worker.client import connect_dealer
+from wavelet.worker.connection import connect_dealer
 
 
 class Heartbeat(threading.Thread):

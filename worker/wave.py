@@ -25,7 +25,8 @@ from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.worker.baton import ForwardBaton, NoBaton
-from wavelet.worker.client import PSClient, StopRequested, client_keys
+from wavelet.worker.client import PSClient, StopRequested
+from wavelet.worker.connection import client_keys
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 from wavelet.worker.step import training_step

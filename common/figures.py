@@ -56,7 +56,7 @@ STEP_PARTS = (
 
 
 @dataclass
-class RunMetrics:
+class RunFigures:
     run_dir: str
     samples_per_s: float = 0.0
     train_seconds: float = 0.0
@@ -91,9 +91,9 @@ class RunMetrics:
         return d
 
 
-def run_metrics(run_dir: str | Path, target_accuracy: float) -> RunMetrics:
+def run_figures(run_dir: str | Path, target_accuracy: float) -> RunFigures:
     run_dir = Path(run_dir)
-    m = RunMetrics(str(run_dir))
+    m = RunFigures(str(run_dir))
     start = None
     last_t = None
     samples = 0
