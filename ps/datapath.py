@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from wavelet.common.config import PSConfig
-from wavelet.common.protocol import ErrorCode, Header, ProtocolError, wave_name
+from wavelet.common.protocol import AttachReply, ErrorCode, Header, ProtocolError, wave_name
 from wavelet.common.shm import run_prefix
 from wavelet.ps.segments import NoSpaceForSegments, SegmentStore, WaveSegments
 from wavelet.ps.shard import ChunkSpec
@@ -83,15 +83,30 @@ class ShardDataPath:
             return Outgoing(peer, header)
         return Outgoing(peer, header, values)
 
-    def attach(self, wave: WaveId, specs: list[ChunkSpec]) -> tuple[WaveSegments | None, str]:
-        """New segments for ``wave``, or None and why it uses TCP instead."""
+    def attach(
+        self, wave: WaveId, transport: str, specs: list[ChunkSpec], version: int
+    ) -> AttachReply:
+        """How ``wave`` exchanges tensors from now on: new segments when it asks for shared
+        memory and the shard can make them, else TCP and why."""
+        self.detach(wave)
+        if transport == "tcp":
+            return AttachReply(version, "tcp")
         if self.segments is None:
-            return None, "the shard was started with --no-shm"
+            return AttachReply(version, "tcp", reason="the shard was started with --no-shm")
         try:
-            return self.segments.attach(wave, specs), ""
+            segments = self.segments.attach(wave, specs)
         except NoSpaceForSegments as e:
             log.warning("wave %s uses TCP: %s", wave_name(*wave), e)
-            return None, str(e)
+            return AttachReply(version, "tcp", reason=str(e))
+        return AttachReply(
+            version=version,
+            transport="shm",
+            push_segment=segments.push.name,
+            pull_segment=segments.pull.name,
+            nonce=segments.push.nonce,
+            size=segments.push.size,
+            offsets=segments.offsets,
+        )
 
     def detach(self, wave: WaveId) -> None:
         if self.segments:

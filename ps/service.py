@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +22,6 @@ from wavelet.common.config import PSConfig
 from wavelet.common.protocol import (
     Ack,
     AdminRequest,
-    AttachReply,
     AttachRequest,
     CheckpointReply,
     ErrorCode,
@@ -50,23 +47,15 @@ from wavelet.common.protocol import (
 from wavelet.ps.admin import AdminGate
 from wavelet.ps.checkpoints import Checkpointer
 from wavelet.ps.datapath import Outgoing, ShardDataPath
-from wavelet.ps.owners import Peer, WaveOwners
+from wavelet.ps.membership import Membership
+from wavelet.ps.owners import Peer
+from wavelet.ps.parked import ParkedPull, ParkedPulls
 from wavelet.ps.policy import make_policy
 from wavelet.ps.shard import Shard
-from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats
+from wavelet.ps.staleness import StalenessBound, WaveId
 from wavelet.ps.synchronous import SyncSum
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class _ParkedPull:
-    peer: bytes
-    request_id: int
-    wave: WaveId
-    clock: int
-    since: float
-    action: str = ""  # what became of the push that came with this pull
-    shm: bool = False  # answer through the wave's pull segment
 
 
 class ShardService:
@@ -86,14 +75,16 @@ class ShardService:
         self.config = config
         job = config.job
         self.shard = Shard(job.optimizer, weights_in_use)
-        self.clocks = ClockTable()
+        self.members = Membership(config.wave_limit)
+        self.clocks, self.owners, self.stats = (
+            self.members.clocks,
+            self.members.owners,
+            self.members.stats,
+        )
         self.bound = StalenessBound(job.staleness)
         self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
         self.sync = SyncSum()
-        self.owners = WaveOwners()
-        self.max_waves = config.wave_limit
-        self.stats: dict[WaveId, WaveStats] = {}
-        self.parked: list[_ParkedPull] = []
+        self.parked = ParkedPulls(config.max_parked)
         self.rejected = 0
         self.rejected_by_code: Counter[str] = Counter()
         self.stopping = False
@@ -105,8 +96,7 @@ class ShardService:
         self.checkpoints = Checkpointer(config, self.shard, self.clocks)
         # waves of a restored shard keep their clocks but register again before they push
         for wave, clock in self.checkpoints.restore():
-            self.clocks.join(wave, clock)
-            self.stats.setdefault(wave, WaveStats())
+            self.members.restore(wave, clock)
         self._start_version = self.shard.version
 
     @property
@@ -183,10 +173,10 @@ class ShardService:
         logged and answered, never the end of the shard."""
         try:
             self._apply_sum_if_complete()
-            out = self._release_parked()
+            out = self.parked.release(self._may_read, self._serve_parked)
         except Exception:
             log.error("internal error releasing parked pulls:\n%s", traceback.format_exc())
-            out = self._answer_parked(
+            out = self.parked.answer(
                 lambda p: True, ErrorCode.INTERNAL, "internal error; pull again"
             )
         self.checkpoints.maybe()
@@ -198,46 +188,23 @@ class ShardService:
         try:
             self.checkpoints.close()
         finally:
-            out = self._answer_parked(lambda p: True, ErrorCode.SHUTTING_DOWN, "shutting down")
+            out = self.parked.answer(lambda p: True, ErrorCode.SHUTTING_DOWN, "shutting down")
             self.datapath.close()
         return out
 
     # --- requests -----------------------------------------------------------------------------
 
     def rpc_register(self, peer: Peer, h: Header, body: RegisterRequest, tensors) -> Outgoing:
-        wave = self._wave_of(h)
         if self.shard.initialized:
             self.shard.check_plan(h.plan)
-        if wave not in self.clocks.clocks:
-            self._make_room_for_a_wave()
-        self.owners.claim(wave, peer)  # refused while another open connection owns it
-        if body.resume and wave in self.clocks.clocks:
-            clock = self.clocks.clocks[wave]  # a resumed job goes on where it stopped
-        elif body.exact:
-            clock = max(h.clock, 0)  # a wave re-joining at the clock it has on other shards
-        else:
-            # A wave that (re)joins a running job starts at the slowest live wave's clock, so
-            # it does not hold the others back under the staleness bound.
-            others = [
-                c for w, c in self.clocks.clocks.items() if w in self.clocks.live and w != wave
-            ]
-            clock = max(h.clock, min(others, default=0), 0)
-        self.clocks.join(wave, clock)
-        self.stats.setdefault(wave, WaveStats())
+        wave, clock = self.members.register(peer, h, body.resume, body.exact)
         log.info("wave %s joined at clock %d", wave_name(*wave), clock)
         lost = self.checkpoints.lost_on_restore if body.resume else 0
-        return self._reply(
-            peer,
-            h,
-            RegisterReply(self.shard.version, clock, self.shard.initialized, lost),
-        )
+        reply = RegisterReply(self.shard.version, clock, self.shard.initialized, lost)
+        return self._reply(peer, h, reply)
 
     def rpc_heartbeat(self, peer: Peer, h: Header, body: HeartbeatRequest, tensors) -> Outgoing:
-        for index in body.waves:
-            wave = (h.worker, index)
-            # only a wave whose registering connection is still open is kept alive this way
-            if wave in self.clocks.live and self.owners.bound(wave):
-                self.clocks.seen(wave)
+        self.members.heartbeat(h.worker, body.waves)
         return self._reply(peer, h, Ack(self.shard.version))
 
     def rpc_init(self, peer, h: Header, body: InitRequest, tensors) -> Outgoing:
@@ -249,9 +216,9 @@ class ShardService:
             # Evaluation and tools read the current weights; they are not a wave and never park.
             self.shard.check_plan(h.plan)
             return self._weights(peer, h.request_id, None, h.clock, parked_s=0.0)
-        wave = self._registered(h, peer)
+        wave = self.members.registered(h, peer)
         self.datapath.check_pull(wave, body.shm)
-        self._check_park_room()
+        self.parked.check_room()
         return self._pull_or_park(peer, h.request_id, wave, h.clock, shm=body.shm)
 
     def rpc_push(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing:
@@ -259,68 +226,41 @@ class ShardService:
         return self._reply(peer, h, PushReply(self.shard.version, action))
 
     def rpc_push_pull(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing | None:
-        self._check_park_room()  # before the push: a refused request must change nothing
+        self.parked.check_room()  # before the push: a refused request must change nothing
         wave, action = self._push(peer, h, body, tensors)
         clock = self.clocks.clocks[wave]
         return self._pull_or_park(peer, h.request_id, wave, clock, action, shm=body.shm)
 
     def rpc_leave(self, peer: Peer, h: Header, body, tensors) -> list[Outgoing]:
-        wave = self._registered(h, peer)
+        wave = self.members.registered(h, peer)
         out = self._leave(wave, "the wave left")
         log.info("wave %s left at clock %d", wave_name(*wave), self.clocks.clocks[wave])
         return [*out, self._reply(peer, h, Ack(self.shard.version))]
 
     def rpc_attach(self, peer: Peer, h: Header, body: AttachRequest, tensors) -> list[Outgoing]:
-        wave = self._registered(h, peer)
+        wave = self.members.registered(h, peer)
         self.shard.check_plan(h.plan)
         # segments are about to change: a shared-memory pull still parked would read the old
-        out = self._answer_parked(
+        out = self.parked.answer(
             lambda p: p.wave == wave and p.shm,
             ErrorCode.NOT_ATTACHED,
             "the wave attached again; pull again",
         )
-        segments, reason = None, ""
-        if body.transport == "tcp":
-            self.datapath.detach(wave)
-        else:
-            segments, reason = self.datapath.attach(wave, self.shard.specs)
-        if segments is None:
-            self.stats[wave].transport = "tcp"
-            tcp = AttachReply(self.shard.version, "tcp", reason=reason)
-            return [*out, self._reply(peer, h, tcp)]
-        self.stats[wave].transport = "shm"
-        reply = AttachReply(
-            version=self.shard.version,
-            transport="shm",
-            push_segment=segments.push.name,
-            pull_segment=segments.pull.name,
-            nonce=segments.push.nonce,
-            size=segments.push.size,
-            offsets=segments.offsets,
-        )
+        reply = self.datapath.attach(wave, body.transport, self.shard.specs, self.shard.version)
+        self.stats[wave].transport = reply.transport
         return [*out, self._reply(peer, h, reply)]
 
     def rpc_stats(self, peer, h: Header, body, tensors) -> Outgoing:
-        waves = {}
-        for wave, st in self.stats.items():
-            waves[wave_name(*wave)] = {
-                "clock": self.clocks.clocks.get(wave, 0),
-                "live": wave in self.clocks.live,
-                **st.summary(),
-            }
-        return self._reply(
-            peer,
-            h,
-            StatsReply(
-                version=self.shard.version,
-                shard=self.config.shard_index,
-                staleness_bound=str(self.bound.s),
-                parked_now=len(self.parked),
-                rejected=self.rejected,
-                checkpoint_failures=self.checkpoints.failures,
-                waves=waves,
-            ),
+        reply = StatsReply(
+            version=self.shard.version,
+            shard=self.config.shard_index,
+            staleness_bound=str(self.bound.s),
+            parked_now=len(self.parked),
+            rejected=self.rejected,
+            checkpoint_failures=self.checkpoints.failures,
+            waves=self.members.table(),
         )
+        return self._reply(peer, h, reply)
 
     def rpc_checkpoint(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
         self.admin.check(h.op, peer, body.token)
@@ -337,11 +277,34 @@ class ShardService:
     def _push(
         self, peer: Peer, h: Header, body: PushRequest, tensors: list[torch.Tensor]
     ) -> tuple[WaveId, str]:
-        """Validate a push completely, then apply or accumulate it."""
-        wave = self._registered(h, peer)
-        shard = self.shard
-        shard.check_plan(h.plan)
+        """Validate a push completely, then apply or accumulate it, then record it."""
+        wave = self.members.registered(h, peer)
+        self.shard.check_plan(h.plan)
         clock = self.clocks.clocks[wave]
+        self._check_push_order(wave, clock, h)
+        tensors = self.datapath.gradients(wave, body.shm, tensors)
+        self.shard.check_push(h.keys, tensors)  # frames or a segment: validated alike
+        tau = self.shard.version - h.read_version
+        action, lr_scale = self._apply(wave, clock, tau, tensors, body.lr_scale)
+        self.clocks.advance(wave)
+        self.stats[wave].record_push(tau)
+        self.checkpoints.log_push(
+            wave_name=wave_name(*wave),
+            worker=wave[0],
+            wave=wave[1],
+            clock=clock,
+            read_version=h.read_version,
+            version=self.shard.version,
+            staleness=tau,
+            action=action,
+            lr_scale=lr_scale,
+            policy=self.policy.name,
+        )
+        self._apply_sum_if_complete()
+        return wave, action
+
+    def _check_push_order(self, wave: WaveId, clock: int, h: Header) -> None:
+        """Each clock is pushed once, in order, by a live wave, from a version this shard had."""
         if h.clock != clock:
             raise ProtocolError(
                 ErrorCode.STALE_CLOCK,
@@ -350,10 +313,11 @@ class ShardService:
             )
         if h.read_version < 0:
             raise ProtocolError(ErrorCode.MALFORMED, "push needs the version it read (read >= 0)")
-        if h.read_version > shard.version:
+        if h.read_version > self.shard.version:
             raise ProtocolError(
                 ErrorCode.FUTURE_VERSION,
-                f"read version {h.read_version} is newer than this shard's version {shard.version}",
+                f"read version {h.read_version} is newer than this shard's version "
+                f"{self.shard.version}",
             )
         if wave not in self.clocks.live:
             raise ProtocolError(
@@ -365,41 +329,25 @@ class ShardService:
                 f"bulk-synchronous clock {self.sync.clock} is still open; "
                 f"pull before pushing clock {clock}",
             )
-        tensors = self.datapath.gradients(wave, body.shm, tensors)
-        shard.check_push(h.keys, tensors)  # frames or a segment: validated alike
-        lr_scale = body.lr_scale
 
-        tau = shard.version - h.read_version
-        grads = shard.gradients(tensors)
-        shard.store_buffers(wave, tensors)
+    def _apply(
+        self, wave: WaveId, clock: int, tau: int, tensors: list[torch.Tensor], lr_scale: float
+    ) -> tuple[str, float]:
+        """Apply a validated push now (asynchronous: as the policy decides) or add it to the
+        open bulk-synchronous sum; returns what was done and the learning-rate factor used."""
+        grads = self.shard.gradients(tensors)
+        self.shard.store_buffers(wave, tensors)
         if self.bound.synchronous:
             # Every gradient of the open clock read the same version (tau = 0): average them.
             self.sync.add(clock, grads, lr_scale)
-            action = "accumulated"
+            return "accumulated", lr_scale
+        decision = self.policy.decide(wave, tau, grads, self.shard.params)
+        if decision.grads is None:
+            self.stats[wave].dropped += 1
         else:
-            decision = self.policy.decide(wave, tau, grads, shard.params)
-            action = decision.action
-            if decision.grads is None:
-                self.stats[wave].dropped += 1
-            else:
-                lr_scale *= decision.lr_scale
-                shard.apply(decision.grads, lr_scale)
-        self.clocks.advance(wave)
-        self.stats[wave].record_push(tau)
-        self.checkpoints.log_push(
-            wave_name=wave_name(*wave),
-            worker=wave[0],
-            wave=wave[1],
-            clock=clock,
-            read_version=h.read_version,
-            version=shard.version,
-            staleness=tau,
-            action=action,
-            lr_scale=lr_scale,
-            policy=self.policy.name,
-        )
-        self._apply_sum_if_complete()
-        return wave, action
+            lr_scale *= decision.lr_scale
+            self.shard.apply(decision.grads, lr_scale)
+        return decision.action, lr_scale
 
     def _apply_sum_if_complete(self) -> None:
         """Bulk-synchronous: apply the mean once every live wave has pushed the open clock
@@ -414,7 +362,7 @@ class ShardService:
 
     def _pull_or_park(
         self,
-        peer: bytes,
+        peer: Peer,
         request_id: int,
         wave: WaveId,
         clock: int,
@@ -423,19 +371,9 @@ class ShardService:
     ) -> Outgoing | None:
         if self._may_read(clock):
             return self._weights(peer, request_id, wave, clock, 0.0, action, shm)
-        self.parked.append(
-            _ParkedPull(peer.identity, request_id, wave, clock, time.monotonic(), action, shm)
-        )
+        self.parked.park(peer.identity, request_id, wave, clock, action, shm)
         self.stats[wave].parked += 1
         return None
-
-    def _check_park_room(self) -> None:
-        if len(self.parked) >= self.config.max_parked:
-            raise ProtocolError(
-                ErrorCode.LIMIT,
-                f"{len(self.parked)} pulls are parked already, "
-                "the most this shard holds (max_parked)",
-            )
 
     def _may_read(self, clock: int) -> bool:
         if not self.shard.initialized:
@@ -446,31 +384,12 @@ class ShardService:
             return False
         return self.bound.may_read(clock, self.clocks)
 
-    def _release_parked(self) -> list[Outgoing]:
-        out: list[Outgoing] = []
-        if not self.parked:
-            return out
-        still = []
-        for p in self.parked:
-            if not self._may_read(p.clock):
-                still.append(p)
-                continue
-            waited = time.monotonic() - p.since
-            self.stats[p.wave].parked_s += waited
-            try:
-                out.append(
-                    self._weights(p.peer, p.request_id, p.wave, p.clock, waited, p.action, p.shm)
-                )
-            except ProtocolError as e:  # e.g. its segments are gone: this pull alone fails
-                out.append(self._reject(p.peer, p.request_id, e.code, e.message, None))
-        self.parked = still
-        return out
-
-    def _answer_parked(self, which, code: ErrorCode, message: str) -> list[Outgoing]:
-        """Answer the parked pulls ``which(pull)`` selects with an error, and forget them."""
-        hit = [p for p in self.parked if which(p)]
-        self.parked = [p for p in self.parked if not which(p)]
-        return [Outgoing(p.peer, error_header(p.request_id, code, message)) for p in hit]
+    def _serve_parked(self, p: ParkedPull, waited: float) -> Outgoing:
+        self.stats[p.wave].parked_s += waited
+        try:
+            return self._weights(p.peer, p.request_id, p.wave, p.clock, waited, p.action, p.shm)
+        except ProtocolError as e:  # e.g. its segments are gone: this pull alone fails
+            return self._reject(p.peer, p.request_id, e.code, e.message, None)
 
     def _weights(
         self,
@@ -505,48 +424,11 @@ class ShardService:
     def _leave(self, wave: WaveId, why: str) -> list[Outgoing]:
         """``wave`` leaves the membership: free what the shard kept for it (segments, DC-ASGD
         copy, buffer values) and answer its parked pulls; returns those answers."""
-        self.clocks.leave(wave)
-        self.owners.release(wave)
+        self.members.leave(wave)
         self.policy.forget(wave)
         self.shard.forget_wave(wave)
         self.datapath.detach(wave)
-        return self._answer_parked(lambda p: p.wave == wave, ErrorCode.NOT_REGISTERED, why)
-
-    def _make_room_for_a_wave(self) -> None:
-        """A new wave may register while fewer than ``max_waves`` are known; waves that left or
-        were dropped (and are not connected) are forgotten first to make room."""
-        if len(self.clocks.clocks) < self.max_waves:
-            return
-        for wave in [w for w in self.clocks.clocks if w not in self.clocks.live]:
-            if not self.owners.bound(wave):
-                self.clocks.forget(wave)
-                self.stats.pop(wave, None)
-                self.owners.forget(wave)
-                if len(self.clocks.clocks) < self.max_waves:
-                    return
-        raise ProtocolError(
-            ErrorCode.LIMIT,
-            f"this shard serves at most {self.max_waves} waves (max_waves) and that many are "
-            "registered",
-        )
-
-    def _wave_of(self, h: Header) -> WaveId:
-        if not h.worker or h.wave < 0:
-            raise ProtocolError(ErrorCode.MALFORMED, "request needs worker and wave (>= 0)")
-        return (h.worker, h.wave)
-
-    def _registered(self, h: Header, peer: Peer) -> WaveId:
-        """The wave ``h`` names, registered here by ``peer``'s connection (else refused)."""
-        wave = self._wave_of(h)
-        if wave not in self.clocks.clocks:
-            raise ProtocolError(
-                ErrorCode.NOT_REGISTERED,
-                f"wave {wave_name(*wave)} has not registered with this shard",
-            )
-        self.owners.check(wave, peer)
-        if wave in self.clocks.live:
-            self.clocks.seen(wave)  # any request is a sign of life
-        return wave
+        return self.parked.answer(lambda p: p.wave == wave, ErrorCode.NOT_REGISTERED, why)
 
     def _reply(self, peer: Peer, h: Header, body) -> Outgoing:
         return Outgoing(peer.identity, reply_header(h.request_id, body))
@@ -560,9 +442,6 @@ class ShardService:
         header: Header | None,
     ) -> Outgoing:
         self.count_refusal(code)
-        if header is not None and header.worker and header.wave >= 0:
-            wave = (header.worker, header.wave)
-            if wave in self.stats:
-                self.stats[wave].rejected[str(code)] += 1
+        self.members.count_rejection(header, code)
         log.warning("rejected request %d: [%s] %s", request_id, code, message)
         return Outgoing(peer, error_header(request_id, code, message))

@@ -34,7 +34,7 @@ def test_a_parked_shared_memory_pull_of_a_wave_that_drops_its_segments(tmp_path,
         else:
             out = wave.send(Op.LEAVE)
             assert _codes(out) == ["not_registered", "reply"]
-        assert service.parked == []
+        assert len(service.parked) == 0
         # the barrier opens: nothing is left to release into segments that are gone
         other = ServiceWave(service, worker="w1")
         assert other.join().op == "reply"
@@ -58,7 +58,7 @@ def test_a_failure_while_releasing_parked_pulls_is_answered_not_raised(tmp_path,
         other = ServiceWave(service, worker="w1")
         out = other.send(Op.REGISTER, clock=0)  # opens the barrier: the release fails
         assert sorted(_codes(out)) == ["internal", "reply"]
-        assert service.parked == []
+        assert len(service.parked) == 0
         monkeypatch.undo()
         assert wave.request(Op.PULL, clock=0).op == "reply"  # and the shard goes on
     finally:
@@ -130,8 +130,8 @@ def test_the_number_of_waves_is_bounded_and_a_wave_that_left_makes_room(tmp_path
 
 
 def test_the_default_wave_limit_follows_the_expected_waves(tmp_path):
-    assert service_for(tmp_path / "a", expect_waves=20, shm=False).max_waves == 40
-    assert service_for(tmp_path / "b", shm=False).max_waves == 16
+    assert service_for(tmp_path / "a", expect_waves=20, shm=False).members.max_waves == 40
+    assert service_for(tmp_path / "b", shm=False).members.max_waves == 16
 
 
 def test_a_wave_dropped_for_silence_leaves_nothing_behind(tmp_path):

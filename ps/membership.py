@@ -1,0 +1,113 @@
+"""Which waves a shard serves: their clocks, who owns each, what the shard saw of each.
+
+A wave registers (taking a clock and binding to its connection), is kept alive by any request or
+heartbeat, and leaves, is dropped for silence, or is forgotten to make room for a new one. The
+staleness bound (``ps/staleness.py``) reads the clocks of the live waves kept here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wavelet.common.protocol import ErrorCode, Header, ProtocolError, wave_name
+from wavelet.ps.owners import Peer, WaveOwners
+from wavelet.ps.staleness import ClockTable, WaveId, WaveStats
+
+
+class Membership:
+    def __init__(self, max_waves: int):
+        self.max_waves = max_waves
+        self.clocks = ClockTable()
+        self.owners = WaveOwners()
+        self.stats: dict[WaveId, WaveStats] = {}
+
+    def restore(self, wave: WaveId, clock: int) -> None:
+        """A wave a checkpoint knew: its clock is kept, but it registers again before use."""
+        self.clocks.join(wave, clock)
+        self.stats.setdefault(wave, WaveStats())
+
+    def register(self, peer: Peer, h: Header, resume: bool, exact: bool) -> tuple[WaveId, int]:
+        """``h``'s wave joins (or re-joins) on ``peer``'s connection; returns it and its clock."""
+        wave = wave_of(h)
+        if wave not in self.clocks.clocks:
+            self._make_room()
+        self.owners.claim(wave, peer)  # refused while another open connection owns it
+        if resume and wave in self.clocks.clocks:
+            clock = self.clocks.clocks[wave]  # a resumed job goes on where it stopped
+        elif exact:
+            clock = max(h.clock, 0)  # a wave re-joining at the clock it has on other shards
+        else:
+            # A wave that (re)joins a running job starts at the slowest live wave's clock, so
+            # it does not hold the others back under the staleness bound.
+            others = [
+                c for w, c in self.clocks.clocks.items() if w in self.clocks.live and w != wave
+            ]
+            clock = max(h.clock, min(others, default=0), 0)
+        self.clocks.join(wave, clock)
+        self.stats.setdefault(wave, WaveStats())
+        return wave, clock
+
+    def registered(self, h: Header, peer: Peer) -> WaveId:
+        """The wave ``h`` names, registered here by ``peer``'s connection (else refused)."""
+        wave = wave_of(h)
+        if wave not in self.clocks.clocks:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED,
+                f"wave {wave_name(*wave)} has not registered with this shard",
+            )
+        self.owners.check(wave, peer)
+        if wave in self.clocks.live:
+            self.clocks.seen(wave)  # any request is a sign of life
+        return wave
+
+    def heartbeat(self, worker: str, waves: list[int]) -> None:
+        for index in waves:
+            wave = (worker, index)
+            # only a wave whose registering connection is still open is kept alive this way
+            if wave in self.clocks.live and self.owners.bound(wave):
+                self.clocks.seen(wave)
+
+    def leave(self, wave: WaveId) -> None:
+        self.clocks.leave(wave)
+        self.owners.release(wave)
+
+    def count_rejection(self, header: Header | None, code: str) -> None:
+        if header is not None and header.worker and header.wave >= 0:
+            wave = (header.worker, header.wave)
+            if wave in self.stats:
+                self.stats[wave].rejected[str(code)] += 1
+
+    def table(self) -> dict[str, dict[str, Any]]:
+        """Per wave, by name: its clock, whether it is live, and what the shard saw of it."""
+        return {
+            wave_name(*wave): {
+                "clock": self.clocks.clocks.get(wave, 0),
+                "live": wave in self.clocks.live,
+                **st.summary(),
+            }
+            for wave, st in self.stats.items()
+        }
+
+    def _make_room(self) -> None:
+        """A new wave may register while fewer than ``max_waves`` are known; waves that left or
+        were dropped (and are not connected) are forgotten first to make room."""
+        if len(self.clocks.clocks) < self.max_waves:
+            return
+        for wave in [w for w in self.clocks.clocks if w not in self.clocks.live]:
+            if not self.owners.bound(wave):
+                self.clocks.forget(wave)
+                self.stats.pop(wave, None)
+                self.owners.forget(wave)
+                if len(self.clocks.clocks) < self.max_waves:
+                    return
+        raise ProtocolError(
+            ErrorCode.LIMIT,
+            f"this shard serves at most {self.max_waves} waves (max_waves) and that many are "
+            "registered",
+        )
+
+
+def wave_of(h: Header) -> WaveId:
+    if not h.worker or h.wave < 0:
+        raise ProtocolError(ErrorCode.MALFORMED, "request needs worker and wave (>= 0)")
+    return (h.worker, h.wave)
