@@ -538,6 +538,42 @@ class LaunchConfig:
         _non_negative("threads", self.threads)
 
 
+@dataclass
+class RunConfig:
+    """One process of a job torchrun started (``wavelet run``): the same on every node; the
+    process's role (shard, worker or all-reduce rank) comes from torchrun's environment."""
+
+    job: JobConfig = setting(default_factory=JobConfig, help="the job", flag="")
+    shards_per_node: int = setting(
+        1, help="the first K local ranks of each node serve shards, the others are workers"
+    )
+    mode: str = setting(
+        "ps",
+        help="ps: shards and tick-tock workers; allreduce: every process a DDP rank",
+        choices=MODES,
+    )
+    run_dir: str = setting(
+        "", help="where records go on each node; none means runs/torchrun-<rendezvous id>"
+    )
+    curve_keys: str = setting(
+        "",
+        help="CURVE keys every node can read (wavelet keys --job DIR): encrypt and authenticate "
+        "all of the job's PS traffic",
+    )
+    checkpoint_every: int = setting(
+        0, help="shards checkpoint every N updates (0: only when they stop)"
+    )
+    checkpoint_every_s: float = setting(
+        0.0, help="shards checkpoint every S seconds (0: only when they stop)"
+    )
+    insecure: bool = setting(False, help="allow shards on a non-loopback address without CURVE")
+    transport: str = setting("auto", help=TRANSPORT_HELP, choices=TRANSPORTS)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        _positive("shards_per_node", self.shards_per_node)
+
+
 def _one_of(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")

@@ -27,6 +27,7 @@ from wavelet.common.config import (
     LaunchConfig,
     OptimizerConfig,
     PSConfig,
+    RunConfig,
     WorkerConfig,
     apply_override,
     check_address,
@@ -261,7 +262,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from wavelet.scripts.run import run
 
-    return run(job_from_args(args), args.shards_per_node, args.mode, args.run_dir or "", args)
+    return run(config_from_args(RunConfig, args, job=job_from_args(args)))
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -498,38 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
         "torchrun's environment, the same command on every node",
     )
     _add_job_flags(run)
-    run.add_argument(
-        "--shards-per-node",
-        type=_number(int),
-        default=1,
-        help="the first K local ranks of each node serve shards, the others are workers "
-        "(default 1)",
-    )
-    run.add_argument(
-        "--mode",
-        choices=["ps", "allreduce"],
-        default="ps",
-        help="ps: shards and tick-tock workers; allreduce: every process a DDP rank (default ps)",
-    )
-    run.add_argument(
-        "--run-dir", help="where records go on each node (default runs/torchrun-<rdzv id>)"
-    )
-    run.add_argument(
-        "--curve-keys",
-        default="",
-        metavar="DIR",
-        help="CURVE keys every node can read (wavelet keys --job DIR): encrypt and authenticate "
-        "all of the job's PS traffic",
-    )
-    add_config_flags(
-        run,
-        LaunchConfig,
-        skip=tuple(
-            f.name
-            for f in dataclasses.fields(LaunchConfig)
-            if f.name not in ("checkpoint_every", "checkpoint_every_s", "insecure", "transport")
-        ),
-    )
+    add_config_flags(run, RunConfig)
     run.set_defaults(run=_cmd_run)
 
     comp = sub.add_parser("compare", help="run one job in several modes and compare them")

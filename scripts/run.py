@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
-from wavelet.common.config import ConfigError, JobConfig, PSConfig, WorkerConfig
+from wavelet.common.config import ConfigError, PSConfig, RunConfig, WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +34,18 @@ CURVE_CLIENT = "worker"  # the client key every worker of a torchrun job uses (w
 CURVE_ADMIN = "admin"  # the only client key whose checkpoint and shutdown the shards obey
 
 
-def _job_keys(options):
+def _job_keys(config: RunConfig):
     """The job's CURVE keys (``--curve-keys DIR``, made by ``wavelet keys --job DIR``)."""
-    if not getattr(options, "curve_keys", ""):
+    if not config.curve_keys:
         return None
     from wavelet.common.security import JobKeys
 
-    keys = JobKeys(Path(options.curve_keys))
+    keys = JobKeys(Path(config.curve_keys))
     for path in (keys.server_secret, keys.server_public, keys.client_secret(CURVE_CLIENT)):
         if not path.exists():
             raise ConfigError(
                 f"{path} is missing: make the job's keys with wavelet keys --job "
-                f"{options.curve_keys}, in a folder every node can read"
+                f"{config.curve_keys}, in a folder every node can read"
             )
     return keys
 
@@ -181,22 +181,22 @@ def _key(role: Role, name: str) -> str:
     return f"wavelet/{role.restart}/{name}"  # a restarted group starts a fresh set of keys
 
 
-def run(job: JobConfig, shards_per_node: int, mode: str, run_dir: str, options) -> int:
+def run(config: RunConfig) -> int:
     """This process's part of the job."""
     role = Role.from_env()
-    run_dir = run_dir or f"runs/torchrun-{role.run_id}"
-    if mode == "allreduce":
-        return _allreduce_rank(job, role, run_dir, options)
-    layout = layout_for(role, shards_per_node)
-    job = replace(job, shards=layout.shards)
+    config = replace(config, run_dir=config.run_dir or f"runs/torchrun-{role.run_id}")
+    if config.mode == "allreduce":
+        return _allreduce_rank(config, role)
+    layout = layout_for(role, config.shards_per_node)
+    config = replace(config, job=replace(config.job, shards=layout.shards))
     store = open_store(role)
     index = layout.shard_index(role)
     if index is not None:
-        return _shard(job, role, layout, index, store, run_dir, options)
-    return _worker(job, role, layout, store, run_dir, options)
+        return _shard(config, role, layout, index, store)
+    return _worker(config, role, layout, store)
 
 
-def _shard(job, role, layout, index, store, run_dir, options) -> int:
+def _shard(config: RunConfig, role: Role, layout: Layout, index: int, store) -> int:
     import torch
 
     from wavelet.common.security import write_private
@@ -204,17 +204,17 @@ def _shard(job, role, layout, index, store, run_dir, options) -> int:
 
     host = reachable_host(role)
     token = _admin_token(role, store)
-    token_file = write_private(Path(run_dir) / f"admin-{index}.token", token)
-    keys = _job_keys(options)
-    config = PSConfig(
-        job=job,
+    token_file = write_private(Path(config.run_dir) / f"admin-{index}.token", token)
+    keys = _job_keys(config)
+    shard_config = PSConfig(
+        job=config.job,
         shard_index=index,
         bind=f"tcp://{host}:0",
-        expect_waves=layout.workers * job.waves,
-        run_dir=run_dir,
-        checkpoint_every=options.checkpoint_every,
-        checkpoint_every_s=options.checkpoint_every_s,
-        insecure=options.insecure,
+        expect_waves=layout.workers * config.job.waves,
+        run_dir=config.run_dir,
+        checkpoint_every=config.checkpoint_every,
+        checkpoint_every_s=config.checkpoint_every_s,
+        insecure=config.insecure,
         admin_token_file=str(token_file),
         curve_secret=str(keys.server_secret) if keys else "",
         curve_authorized=str(keys.authorized) if keys else "",
@@ -222,7 +222,7 @@ def _shard(job, role, layout, index, store, run_dir, options) -> int:
     )
     torch.set_num_threads(1)
     try:
-        server = ShardServer(config)
+        server = ShardServer(shard_config)
     except BindError as e:
         raise ConfigError(str(e)) from None
     store.set(_key(role, f"shard/{index}"), server.address)
@@ -253,7 +253,7 @@ def _admin_token(role: Role, store) -> str:
     return store.get(key).decode()
 
 
-def _worker(job, role, layout, store, run_dir, options) -> int:
+def _worker(config: RunConfig, role: Role, layout: Layout, store) -> int:
     import torch
 
     from wavelet.common.job import check_job
@@ -263,11 +263,12 @@ def _worker(job, role, layout, store, run_dir, options) -> int:
     names = [_key(role, f"shard/{i}") for i in range(layout.shards)]
     store.wait(names)
     addresses = [store.get(k).decode() for k in names]
-    keys = _job_keys(options)
+    keys = _job_keys(config)
+    job, run_dir = config.job, config.run_dir
     local = role.local_rank - layout.shards_per_node
     device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     cores = max(1, (os.cpu_count() or 1) // layout.workers_per_node)
-    config = WorkerConfig(
+    worker_config = WorkerConfig(
         job=job,
         shard_addresses=addresses,
         device=device,
@@ -276,12 +277,12 @@ def _worker(job, role, layout, store, run_dir, options) -> int:
         run_dir=run_dir,
         core_budget=cores,
         resume=role.restart > 0,
-        transport=options.transport,
+        transport=config.transport,
         curve_secret=str(keys.client_secret(CURVE_CLIENT)) if keys else "",
         curve_server_key=str(keys.server_public) if keys else "",
     )
     check_job(job, layout.workers * job.waves)
-    daemon = WorkerDaemon(config)
+    daemon = WorkerDaemon(worker_config)
     from wavelet.scripts.signals import on_signals
 
     on_signals(daemon.stop)
@@ -334,13 +335,14 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
     return 0
 
 
-def _allreduce_rank(job, role, run_dir, options) -> int:
+def _allreduce_rank(config: RunConfig, role: Role) -> int:
     import torch
 
     from wavelet.worker.allreduce import AllReduceWorker
 
     device = f"cuda:{role.local_rank}" if torch.cuda.is_available() else "cpu"
-    config = WorkerConfig(
+    job, run_dir = config.job, config.run_dir
+    rank_config = WorkerConfig(
         job=job,
         device=device,
         rank=0,
@@ -350,7 +352,7 @@ def _allreduce_rank(job, role, run_dir, options) -> int:
         mode="allreduce",
     )
     started = time.time()
-    code = AllReduceWorker(config).run()
+    code = AllReduceWorker(rank_config).run()
     if role.rank == 0 and code == 0:
         from wavelet.scripts.report import Progress, format_summary, summarize
 
