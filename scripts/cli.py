@@ -454,9 +454,6 @@ def _add_sweep_flags(p: argparse.ArgumentParser, name: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from wavelet.scripts.compare import BUDGET_MODES
-    from wavelet.scripts.compare import MODES as COMPARE_MODES
-
     p = _Parser(
         prog="wavelet",
         description="Tick-tock data-parallel training on a sharded parameter server.",
@@ -468,6 +465,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how much the daemons log (default INFO)",
     )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_training_commands(sub)
+    _add_sweep_commands(sub)
+    _add_tool_commands(sub)
+    return p
+
+
+def _add_training_commands(sub) -> None:
+    """launch (a whole job here), ps and worker (one daemon), run (one process under torchrun)."""
 
     launch = sub.add_parser(
         "launch", help="run a whole job on this machine (the default job trains the digits CNN)"
@@ -501,6 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_flags(run)
     add_config_flags(run, RunConfig)
     run.set_defaults(run=_cmd_run)
+
+
+def _add_sweep_commands(sub) -> None:
+    """compare (one job in several modes) and tune (staleness bounds and policies)."""
+    from wavelet.scripts.compare import BUDGET_MODES
+    from wavelet.scripts.compare import MODES as COMPARE_MODES
 
     comp = sub.add_parser("compare", help="run one job in several modes and compare them")
     _add_job_flags(comp)
@@ -545,6 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep_flags(tune, "tune")
     tune.set_defaults(run=_cmd_tune)
 
+
+def _add_tool_commands(sub) -> None:
+    """stats, admin, clean and keys: tools around running or stopped jobs."""
     stats = sub.add_parser("stats", help="print live shards' versions, clocks and staleness")
     stats.add_argument(
         "addresses",
@@ -598,7 +612,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keys.add_argument("--out", default="keys", help="folder for the key files (default keys/)")
     keys.set_defaults(run=_cmd_keys)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
