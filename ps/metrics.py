@@ -34,16 +34,19 @@ class ShardCollector:
     def collect(self):
         svc = self.service
         shard = str(svc.config.shard_index)
-        labels = ["shard"]
-        waves = list(svc.stats.items())  # the service's thread may add one meanwhile
+        yield from self._shard_wide(svc, shard)
+        yield from self._transport(shard)
+        yield from self._per_wave(list(svc.stats.items()), shard)  # copied: waves may join
 
+    @staticmethod
+    def _shard_wide(svc, shard: str):
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=labels)
+            g = GaugeMetricFamily(name, doc, labels=["shard"])
             g.add_metric([shard], value)
             return g
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=labels)
+            c = CounterMetricFamily(name, doc, labels=["shard"])
             c.add_metric([shard], value)
             return c
 
@@ -78,18 +81,28 @@ class ShardCollector:
         for code, n in sorted(svc.rejected_by_code.items()):
             errors.add_metric([shard, code], n)
         yield errors
-        if self.transport is not None:
-            yield counter(
+
+    def _transport(self, shard: str):
+        if self.transport is None:
+            return
+        for name, doc, value in (
+            (
                 "wavelet_shard_received_bytes",
                 "bytes of requests received over ZeroMQ",
                 self.transport.bytes_in,
-            )
-            yield counter(
+            ),
+            (
                 "wavelet_shard_sent_bytes",
                 "bytes of replies sent over ZeroMQ",
                 self.transport.bytes_out,
-            )
+            ),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["shard"])
+            c.add_metric([shard], value)
+            yield c
 
+    @staticmethod
+    def _per_wave(waves, shard: str):
         per_wave = ["shard", "wave"]
         pushes = CounterMetricFamily("wavelet_shard_pushes", "gradients pushed", labels=per_wave)
         pulls = CounterMetricFamily("wavelet_shard_pulls", "weights served", labels=per_wave)

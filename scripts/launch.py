@@ -37,32 +37,10 @@ READY_TIMEOUT_S = 60.0
 
 def launch(config: LaunchConfig, quiet: bool = False) -> int:
     """Run the job to the end; 0 on success, 1 if a child failed, 130 on Ctrl-C."""
-    job_cfg = config.job
-    per_device = config.processes_per_device
-    if config.mode == "ps":  # refuse an unencrypted job reachable from other machines, early
-        check_bind(f"tcp://{config.host}:0", secure=config.curve, insecure=config.insecure)
-    if config.mode == "allreduce":
-        # One rank per device does the work of that device's waves (same samples per step, same
-        # data split); with two ranks per device, each rank is one wave.
-        job_cfg = dataclasses.replace(
-            job_cfg, batch_size=job_cfg.batch_size * job_cfg.waves // per_device, waves=1
-        )
-    tasks = len(config.devices) * per_device * job_cfg.waves
+    job_cfg = _job_per_process(config)
+    tasks = len(config.devices) * config.processes_per_device * job_cfg.waves
     check_job(job_cfg, tasks)
-    run_dir = Path(config.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    if config.resume:
-        if not (run_dir / "checkpoints").is_dir():
-            raise ConfigError(f"{run_dir} holds no checkpoints to resume from")
-    elif (run_dir / "records").exists() and any((run_dir / "records").iterdir()):
-        raise ConfigError(
-            f"run dir {run_dir} already holds a run; choose another --run-dir, or --resume it"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    job_file = run_dir / "job.json"
-    if not config.resume:
-        job_file.write_text(json.dumps(to_dict(job_cfg), indent=2, default=str))
-        launch_record = {k: v for k, v in to_dict(config).items() if k != "job"}
-        (run_dir / "launch.json").write_text(json.dumps(launch_record, indent=2))
+    run_dir = _prepare_run_dir(config, job_cfg)
     job = Job(config, run_dir)
     for stale in (run_dir / "metrics").glob("*.url"):  # a resumed run's daemons pick new ones
         stale.unlink()
@@ -74,10 +52,11 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
             job.keys = JobKeys(run_dir / "keys")
         else:
             job.keys = JobKeys.create(run_dir / "keys", clients)
-    started = time.monotonic()
-    since = time.time()  # records from before this start (a resumed run's first part) do not count
     board = None
     try:
+        # records from before this start (a resumed run's first part) do not count
+        started, since = time.monotonic(), time.time()
+        job_file = run_dir / "job.json"
         if config.mode == "ps":
             addresses = _start_shards(job, job_file, tasks)
             workers = _start_ps_workers(job, job_file, addresses)
@@ -86,26 +65,12 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
             workers = _start_ranks(job, job_file, job_cfg)
         _say(quiet, f"run dir {run_dir}: {describe(config, job_cfg)}")
         if config.metrics_port >= 0:
-            expected = len(addresses) + len(workers)
-            urls = metrics_urls(run_dir, expected, alive=job.all_running)
+            urls = metrics_urls(run_dir, len(addresses) + len(workers), alive=job.all_running)
             job.check(allow_exit=tuple(workers))  # a daemon that could not serve them stops it
             _say(quiet, "metrics: " + ", ".join(urls))
         board = RunBoard(run_dir / "tensorboard")
         progress = Progress(run_dir, job_cfg.epochs, since=since, board=board)
-        say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
-        while True:
-            job.supervise(allow_exit=tuple(workers), say=say)
-            if all(w.proc.poll() == 0 for w in workers):
-                break
-            time.sleep(0.25)
-            if progress.due():
-                progress.read()  # also writes the TensorBoard scalars as training goes
-                if note := progress.shared_memory_note():
-                    say(note)
-                say(progress.line(time.monotonic() - started))
-        progress.read()
-        if note := progress.shared_memory_note():  # a job too short for a progress line
-            say(note)
+        _supervise_until_done(job, workers, progress, started, quiet)
         summary = _finish(job, job_cfg, addresses, progress)
         _say(quiet, "\n" + format_summary(summary))
         return 0
@@ -119,6 +84,58 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
         if board is not None:
             board.close()
         job.teardown()
+
+
+def _job_per_process(config: LaunchConfig) -> JobConfig:
+    """The job each worker process runs; refuses an unencrypted job reachable from other
+    machines before anything starts."""
+    job = config.job
+    if config.mode == "ps":
+        check_bind(f"tcp://{config.host}:0", secure=config.curve, insecure=config.insecure)
+        return job
+    # All-reduce: one rank per device does the work of that device's waves (same samples per
+    # step, same data split); with two ranks per device, each rank is one wave.
+    per_device = config.processes_per_device
+    return dataclasses.replace(job, batch_size=job.batch_size * job.waves // per_device, waves=1)
+
+
+def _prepare_run_dir(config: LaunchConfig, job: JobConfig) -> Path:
+    """The run dir, refused if it holds another run; a new run's job.json and launch.json."""
+    run_dir = Path(config.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if config.resume:
+        if not (run_dir / "checkpoints").is_dir():
+            raise ConfigError(f"{run_dir} holds no checkpoints to resume from")
+    elif (run_dir / "records").exists() and any((run_dir / "records").iterdir()):
+        raise ConfigError(
+            f"run dir {run_dir} already holds a run; choose another --run-dir, or --resume it"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not config.resume:
+        (run_dir / "job.json").write_text(json.dumps(to_dict(job), indent=2, default=str))
+        launch_record = {k: v for k, v in to_dict(config).items() if k != "job"}
+        (run_dir / "launch.json").write_text(json.dumps(launch_record, indent=2))
+    return run_dir
+
+
+def _supervise_until_done(
+    job: Job, workers, progress: Progress, started: float, quiet: bool
+) -> None:
+    """Restart or stop on failures (``job.supervise``) and show progress until every worker
+    exited 0."""
+    say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
+    while True:
+        job.supervise(allow_exit=tuple(workers), say=say)
+        if all(w.proc.poll() == 0 for w in workers):
+            break
+        time.sleep(0.25)
+        if progress.due():
+            progress.read()  # also writes the TensorBoard scalars as training goes
+            if note := progress.shared_memory_note():
+                say(note)
+            say(progress.line(time.monotonic() - started))
+    progress.read()
+    if note := progress.shared_memory_note():  # a job too short for a progress line
+        say(note)
 
 
 def describe(config: LaunchConfig, job: JobConfig) -> str:

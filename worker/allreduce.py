@@ -66,116 +66,31 @@ class AllReduceWorker:
             dist.destroy_process_group()
 
     def _train(self, device: torch.device) -> int:
-        cfg, job = self.config, self.config.job
-        rank, world = dist.get_rank(), dist.get_world_size()
-        records = RecordWriter(Path(cfg.run_dir) / "records" / f"worker-{rank}-wave-0.jsonl")
-        metrics, endpoint = serve_worker_metrics(cfg, rank)
-        dataset, model = build_dataset_and_model(job, device)
-        if job.activation_checkpointing:
-            checkpoint_blocks(model)
-        ddp = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-        optimizer = job.optimizer.build(list(ddp.parameters()))
-        meter = SavedActivationMeter(model.parameters())
-        part = dataset.part(rank, world, job.seed)
-        steps = part.steps_per_epoch(job.batch_size)
-        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # A ring all-reduce sends 2 (n - 1) / n of the gradient bytes from every rank.
-        wire_bytes = int(2 * (world - 1) / world * grad_bytes)
-        records.write(
-            {
-                "kind": "start",
-                "t": time.time(),
-                "steps_per_epoch": steps,
-                "batch_size": job.batch_size,
-                "wave": 0,
-                "device": str(device),
-                "device_index": cfg.device_index,
-                "rank": rank,
-                "world_size": world,
-            }
-        )
-        started = time.monotonic()
-        iteration = 0
+        rank = _Rank(self.config, device)
         ended = False  # training ran to its end (or a requested stop): evaluate then, else not
         try:
-            for epoch in range(job.epochs if job.epochs else 1 << 30):
-                ddp.train()
-                seed = job.seed + 7919 * rank
-                for x, y in part.batches(job.batch_size, epoch, seed):
-                    if self._should_stop(started, device):
-                        ended = True
-                        return 0
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    meter.tracing = iteration < job.memory_trace_iters
-                    meter.reset_peak()
-                    t0 = time.perf_counter()
-                    t_start = time.time()
-                    with meter.hooks():
-                        loss = training_step(ddp, (x, y))
-                    t_end = time.time()
-                    t1 = time.perf_counter()
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()  # DDP all-reduces gradient buckets during backward
-                    t2 = time.perf_counter()
-                    done = progress(
-                        iteration, job.epochs * steps, time.monotonic() - started, job.max_seconds
-                    )
-                    for group in optimizer.param_groups:
-                        group["lr"] = job.optimizer.lr * lr_factor(job.lr_schedule, done)
-                    optimizer.step()
-                    if device.type == "cuda":
-                        torch.cuda.current_stream(device).synchronize()
-                    t3 = time.perf_counter()
-                    step = {
-                        "kind": "step",
-                        "t": time.time(),
-                        "wave": 0,
-                        "epoch": epoch,
-                        "iter": iteration,
-                        "clock": iteration,
-                        "loss": float(loss.detach()),
-                        "samples": len(y),
-                        "t_forward_start": t_start,
-                        "t_forward_end": t_end,
-                        "forward_s": t1 - t0,
-                        "backward_allreduce_s": t2 - t1,
-                        "optimizer_s": t3 - t2,
-                        "saved_bytes_peak": meter.peak,
-                        "wire_bytes": wire_bytes,
-                        **device_memory(device),
-                    }
-                    records.write(step)
-                    if metrics is not None:
-                        metrics.record(wave_name(f"w{rank}", 0), step)
-                    iteration += 1
-                if rank == 0 and job.eval_every and (epoch + 1) % job.eval_every == 0:
-                    records.write(
-                        {
-                            "kind": "eval",
-                            "t": time.time(),
-                            "epoch": epoch,
-                            "test_acc": evaluate(model, dataset, device),
-                        }
-                    )
-                records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
-            ended = True
+            ended = self._epochs(rank)
             return 0
         finally:
-            if endpoint is not None:
-                endpoint.stop()
-            if rank == 0 and ended:  # after a failure, the error is what matters, not a score
-                records.write(
-                    {
-                        "kind": "final",
-                        "t": time.time(),
-                        "test_acc": evaluate(model, dataset, device),
-                    }
+            rank.finish(evaluated=ended)
+
+    def _epochs(self, r: _Rank) -> bool:
+        """Train until the job's end or an agreed stop; True when it got there (not raised)."""
+        job = self.config.job
+        started = time.monotonic()
+        iteration = 0
+        for epoch in range(job.epochs if job.epochs else 1 << 30):
+            r.ddp.train()
+            for batch in r.part.batches(job.batch_size, epoch, job.seed + 7919 * r.rank):
+                if self._should_stop(started, r.device):
+                    return True
+                done = progress(
+                    iteration, job.epochs * r.steps, time.monotonic() - started, job.max_seconds
                 )
-            if meter.trace:
-                records.write({"kind": "memory_trace", "wave": 0, "trace": meter.trace})
-            records.close()
+                r.step(epoch, iteration, batch, job.optimizer.lr * lr_factor(job.lr_schedule, done))
+                iteration += 1
+            r.end_epoch(epoch)
+        return True
 
     def _should_stop(self, started: float, device: torch.device) -> bool:
         """Every rank must stop at the same step or the others hang in all_reduce: agree on it."""
@@ -184,3 +99,108 @@ class AllReduceWorker:
         flag = torch.tensor([1.0 if local else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+class _Rank:
+    """One DDP rank's training state: its model, optimizer, part of the data and records."""
+
+    def __init__(self, cfg: WorkerConfig, device: torch.device):
+        job = cfg.job
+        self.device = device
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.records = RecordWriter(
+            Path(cfg.run_dir) / "records" / f"worker-{self.rank}-wave-0.jsonl"
+        )
+        self.metrics, self.endpoint = serve_worker_metrics(cfg, self.rank)
+        self.dataset, self.model = build_dataset_and_model(job, device)
+        if job.activation_checkpointing:
+            checkpoint_blocks(self.model)
+        self.ddp = DistributedDataParallel(
+            self.model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        self.optimizer = job.optimizer.build(list(self.ddp.parameters()))
+        self.meter = SavedActivationMeter(self.model.parameters())
+        self.trace_iters = job.memory_trace_iters
+        self.eval_every = job.eval_every
+        self.part = self.dataset.part(self.rank, world, job.seed)
+        self.steps = self.part.steps_per_epoch(job.batch_size)
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # A ring all-reduce sends 2 (n - 1) / n of the gradient bytes from every rank.
+        self.wire_bytes = int(2 * (world - 1) / world * grad_bytes)
+        self.records.write(
+            {
+                "kind": "start",
+                "t": time.time(),
+                "steps_per_epoch": self.steps,
+                "batch_size": job.batch_size,
+                "wave": 0,
+                "device": str(device),
+                "device_index": cfg.device_index,
+                "rank": self.rank,
+                "world_size": world,
+            }
+        )
+
+    def step(self, epoch: int, iteration: int, batch, lr: float) -> None:
+        """Forward, backward (DDP all-reduces gradient buckets meanwhile), update, record."""
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        self.meter.tracing = iteration < self.trace_iters
+        self.meter.reset_peak()
+        t0, t_start = time.perf_counter(), time.time()
+        with self.meter.hooks():
+            loss = training_step(self.ddp, (x, y))
+        t_end, t1 = time.time(), time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        t2 = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        t3 = time.perf_counter()
+        record = {
+            "kind": "step",
+            "t": time.time(),
+            "wave": 0,
+            "epoch": epoch,
+            "iter": iteration,
+            "clock": iteration,
+            "loss": float(loss.detach()),
+            "samples": len(y),
+            "t_forward_start": t_start,
+            "t_forward_end": t_end,
+            "forward_s": t1 - t0,
+            "backward_allreduce_s": t2 - t1,
+            "optimizer_s": t3 - t2,
+            "saved_bytes_peak": self.meter.peak,
+            "wire_bytes": self.wire_bytes,
+            **device_memory(self.device),
+        }
+        self.records.write(record)
+        if self.metrics is not None:
+            self.metrics.record(wave_name(f"w{self.rank}", 0), record)
+
+    def end_epoch(self, epoch: int) -> None:
+        if self.rank == 0 and self.eval_every and (epoch + 1) % self.eval_every == 0:
+            self.records.write(
+                {
+                    "kind": "eval",
+                    "t": time.time(),
+                    "epoch": epoch,
+                    "test_acc": evaluate(self.model, self.dataset, self.device),
+                }
+            )
+        self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
+
+    def finish(self, evaluated: bool) -> None:
+        """Final accuracy (rank 0, only when training got to its end: after a failure the error
+        is what matters, not a score), the memory trace, and the records closed."""
+        if self.endpoint is not None:
+            self.endpoint.stop()
+        if self.rank == 0 and evaluated:
+            test_acc = evaluate(self.model, self.dataset, self.device)
+            self.records.write({"kind": "final", "t": time.time(), "test_acc": test_acc})
+        if self.meter.trace:
+            self.records.write({"kind": "memory_trace", "wave": 0, "trace": self.meter.trace})
+        self.records.close()

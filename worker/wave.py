@@ -189,8 +189,8 @@ class Wave:
             self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
 
     def _step(self, model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale):
-        dev = self.device
-        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        """One iteration: forward while holding the baton, backward, push and pull, record."""
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         rec = {
             "kind": "step",
             "wave": self.ident.local,
@@ -200,36 +200,11 @@ class Wave:
             "clock": clock,
             "versions_read": pulled.versions,
         }
-        wave = self.ident.local
-        baton_wait = self.baton.acquire(wave)
+        baton_wait = self.baton.acquire(self.ident.local)
         t0 = time.perf_counter()
-        try:
-            meter.reset_peak()
-            rec["t_forward_start"] = time.time()
-            with meter.hooks():
-                loss = training_step(model, (x, y))
-            rec["t_forward_end"] = time.time()
-            # Hand the baton over once backward has freed all but a fraction of this forward's
-            # activations, so the next forward never stacks on a full set (docs/design.md).
-            handoff = self.job.baton_handoff
-            if handoff >= 1.0:
-                self.baton.release(wave)
-            else:
-                meter.when_below(int(handoff * meter.current), lambda: self.baton.release(wave))
-        except BaseException:
-            self.baton.release(wave)
-            raise
+        loss = self._forward(model, meter, (x, y), rec)
         t1 = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        try:
-            loss.backward()
-        finally:
-            meter.cancel_watch()
-            self.baton.release(wave)  # a no-op if the watch already passed it on
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
-        if self.ident.global_index == self.job.slow_wave:  # a straggler, on request
-            time.sleep((self.job.slow_factor - 1.0) * (time.perf_counter() - t0))
+        self._backward(model, meter, loss, t0)
         t2 = time.perf_counter()
         next_pull = client.push_pull(clock, pulled.versions, lr_scale)
         t3 = time.perf_counter()
@@ -248,12 +223,46 @@ class Wave:
             dropped=next_pull.dropped,
             lost_updates=client.lost_updates,
             saved_bytes_peak=meter.peak,
-            **device_memory(dev),
+            **device_memory(self.device),
         )
         self.records.write(rec)
         if self.metrics is not None:
             self.metrics.record(self.ident.name, rec)
         return next_pull
+
+    def _forward(self, model, meter, batch, rec: dict) -> torch.Tensor:
+        """The loss, computed while this wave holds the baton (acquired by the caller); the
+        baton passes on once backward has freed enough of these activations."""
+        wave = self.ident.local
+        try:
+            meter.reset_peak()
+            rec["t_forward_start"] = time.time()
+            with meter.hooks():
+                loss = training_step(model, batch)
+            rec["t_forward_end"] = time.time()
+            # Hand the baton over once backward has freed all but a fraction of this forward's
+            # activations, so the next forward never stacks on a full set (docs/design.md).
+            handoff = self.job.baton_handoff
+            if handoff >= 1.0:
+                self.baton.release(wave)
+            else:
+                meter.when_below(int(handoff * meter.current), lambda: self.baton.release(wave))
+        except BaseException:
+            self.baton.release(wave)
+            raise
+        return loss
+
+    def _backward(self, model, meter, loss: torch.Tensor, started: float) -> None:
+        model.zero_grad(set_to_none=True)
+        try:
+            loss.backward()
+        finally:
+            meter.cancel_watch()
+            self.baton.release(self.ident.local)  # a no-op if the watch already passed it on
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if self.ident.global_index == self.job.slow_wave:  # a straggler, on request
+            time.sleep((self.job.slow_factor - 1.0) * (time.perf_counter() - started))
 
     def _record_eval(self, model: torch.nn.Module, epoch: int) -> None:
         acc = evaluate(model, self.dataset, self.device)
