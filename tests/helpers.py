@@ -58,6 +58,22 @@ def shard_values(addresses, seed=0) -> list[torch.Tensor]:
     return [t.detach().clone() for t in model.state_dict().values()]
 
 
+def push_header(plan: str, chunks, worker: str = "w0", wave: int = 0, **over) -> Header:
+    """A push of ``chunks`` (one shard's) for clock 0 from version 0, as a wave would build it;
+    ``over`` replaces any field (clock, read_version, keys, body, op...)."""
+    fields = dict(
+        op=Op.PUSH,
+        worker=worker,
+        wave=wave,
+        clock=0,
+        read_version=0,
+        plan=plan,
+        keys=[c.key for c in chunks],
+    )
+    fields.update(over)
+    return Header(**fields)
+
+
 class RawClient:
     """A DEALER that sends hand-made frames, for bad-input tests."""
 

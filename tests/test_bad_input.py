@@ -3,7 +3,7 @@ the shard keeps serving, and its parameters are unchanged."""
 
 import pytest
 import torch
-from helpers import RawClient, client_for, shard_values, tiny_model
+from helpers import RawClient, client_for, push_header, shard_values, tiny_model
 
 from wavelet.common.protocol import Header, Op
 
@@ -27,17 +27,8 @@ def shard(shard_daemons):
 
 def _push(c, **over) -> tuple[Header, list[torch.Tensor]]:
     chunks = c.chunks[0]
-    fields = dict(
-        op=Op.PUSH,
-        worker="w0",
-        wave=0,
-        clock=0,
-        read_version=0,
-        plan=c.plan.fingerprint,
-        keys=[ch.key for ch in chunks],
-    )
-    fields.update(over)
-    return Header(**fields), [torch.full((ch.numel,), 0.5) for ch in chunks]
+    h = push_header(c.plan.fingerprint, chunks, **over)
+    return h, [torch.full((ch.numel,), 0.5) for ch in chunks]
 
 
 REFUSED = []  # every refusal _expect_error saw, to check the shard counted each one

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 from conftest import started, wait_for, wavelet_cmd
-from helpers import TIMEOUT_S, RawClient, client_for, tiny_model
+from helpers import TIMEOUT_S, RawClient, client_for, push_header, tiny_model
 from zmq.utils.monitor import recv_monitor_message
 
 from wavelet.common.config import JobConfig
@@ -149,15 +149,7 @@ def test_fuzzed_shard_never_dies_and_then_trains_normally(shard_daemons, tmp_pat
     raw = RawClient(daemons.addresses[0])
     plan = owner.plan.fingerprint
     ops = [o.value for o in Op if o not in (Op.SHUTDOWN,)] + ["bogus", ""]
-    template = Header(
-        op=Op.PUSH,
-        worker="fuzz",
-        wave=0,
-        clock=0,
-        read_version=0,
-        plan=plan,
-        keys=[c.key for c in owner.chunks[0]],
-    )
+    template = push_header(plan, owner.chunks[0], "fuzz")
     valid = [template.pack()] + [bytes(4 * c.numel) for c in owner.chunks[0]]
     answered = 0
     try:

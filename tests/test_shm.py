@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 from conftest import started, wavelet_cmd
-from helpers import RawClient, client_for, shard_values, tiny_model
+from helpers import RawClient, client_for, push_header, shard_values, tiny_model
 
 from wavelet.common import shm
 from wavelet.common.protocol import Header, Op, PushRequest, RemoteError, ShardError
@@ -109,16 +109,7 @@ def test_a_bad_push_through_the_segment_changes_nothing(shard_daemons):
                 Header(op=Op.REGISTER, worker="x", wave=0, plan=c.plan.fingerprint, clock=0)
             )
             assert reply.op == "reply"
-            push = Header(
-                op=Op.PUSH,
-                worker="x",
-                wave=0,
-                clock=0,
-                read_version=0,
-                plan=c.plan.fingerprint,
-                keys=keys,
-                body={"shm": True},
-            )
+            push = push_header(c.plan.fingerprint, c.chunks[0], "x", body={"shm": True})
             reply = stranger.request(push)
             assert reply.op == "error" and reply.body["code"] == "not_attached"
         finally:
