@@ -130,6 +130,8 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sgd": {"momentum": 0.7}}
 MODES = ("ps", "allreduce")
 # Names of ps/policy.py's policies (kept here so config has no dependency on the ps package).
 STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
+UPDATES = ("async", "wave-groups")  # how a shard turns pushes into updates (ps/synchronous.py)
+UPDATE_LRS = ("full", "by-samples")  # the step size of one update (docs/tuning.md)
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
 # Help texts that more than one config class shows: written once.
@@ -226,6 +228,25 @@ class JobConfig:
         help="what shards do with a stale gradient (see ps/policy.py)",
         choices=STALE_POLICIES,
     )
+    updates: str = setting(
+        "async",
+        help="async: every push is an update (within the staleness bound); wave-groups: the "
+        "tick waves of all devices average into one update, the tock waves into another, the "
+        "two alternating (MLSys 2021)",
+        choices=UPDATES,
+    )
+    update_lr: str = setting(
+        "full",
+        help="full: every update takes the optimizer's lr; by-samples: lr times the share of "
+        "the job's samples per step the update carries (one wave's push: 1 / all waves), the "
+        "step size all-reduce takes per sample",
+        choices=UPDATE_LRS,
+    )
+    momentum_correction: bool = setting(
+        False,
+        help="lower the shards' momentum by the implicit momentum of N asynchronous update "
+        "streams (1 - 1/N, Mitliagkas et al. 2016), so the two together match the optimizer's",
+    )
     drop_limit: int = setting(4, help="drop policy: gradients staler than this are dropped")
     dc_lambda: float = setting(0.04, help="dc-asgd: strength of the delay compensation")
     eval_every: int = setting(1, help="epochs between test-accuracy records (0: only at the end)")
@@ -286,6 +307,12 @@ class JobConfig:
             raise ConfigError(f"staleness must be a whole number >= 0 or inf, got {s!r}")
         if s != INF:
             self.staleness = int(s)
+        if self.updates == "wave-groups" and self.staleness == 0:
+            raise ConfigError(
+                "updates = wave-groups with staleness 0 would make the tick and tock groups wait "
+                "for each other's update: use staleness >= 1 (1 keeps them one step apart), or "
+                "updates = async with staleness 0 for one bulk-synchronous update of all waves"
+            )
 
     @property
     def chunk_bytes(self) -> int:

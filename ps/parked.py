@@ -46,12 +46,12 @@ class ParkedPulls:
 
     def release(
         self,
-        may_read: Callable[[int], bool],
+        may_read: Callable[[WaveId, int], bool],
         serve: Callable[[ParkedPull, float], Outgoing],
     ) -> list[Outgoing]:
         """Serve every pull whose clock may now read: ``serve(pull, seconds_parked)`` gives its
         answer (weights, or an error for that pull alone)."""
-        ready = [p for p in self.pulls if may_read(p.clock)]
+        ready = [p for p in self.pulls if may_read(p.wave, p.clock)]
         out = [serve(p, time.monotonic() - p.since) for p in ready]
         # only now: if serving raised, every pull is still here for the caller to answer
         self.pulls = [p for p in self.pulls if p not in ready]

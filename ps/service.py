@@ -53,7 +53,8 @@ from wavelet.ps.parked import ParkedPull, ParkedPulls
 from wavelet.ps.policy import make_policy
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import StalenessBound, WaveId
-from wavelet.ps.synchronous import SyncSum
+from wavelet.ps.synchronous import SyncGroups
+from wavelet.ps.update_rules import shard_optimizer, update_lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,10 @@ class ShardService:
     ):
         self.config = config
         job = config.job
-        self.shard = Shard(job.optimizer, weights_in_use)
+        # one update per push (async), per clock of all waves (s = 0) or of each wave group
+        self.synchronous = job.staleness == 0 or job.updates == "wave-groups"
+        self.sync = SyncGroups(by_wave_index=job.updates == "wave-groups")
+        self.shard = Shard(shard_optimizer(job, config.expect_waves), weights_in_use)
         self.members = Membership(config.wave_limit)
         self.clocks, self.owners, self.stats = (
             self.members.clocks,
@@ -83,7 +87,6 @@ class ShardService:
         )
         self.bound = StalenessBound(job.staleness)
         self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
-        self.sync = SyncSum()
         self.parked = ParkedPulls(config.max_parked)
         self.rejected = 0
         self.rejected_by_code: Counter[str] = Counter()
@@ -323,12 +326,8 @@ class ShardService:
             raise ProtocolError(
                 ErrorCode.NOT_REGISTERED, f"wave {wave_name(*wave)} left; register again to push"
             )
-        if self.bound.synchronous and self.sync.open and clock != self.sync.clock:
-            raise ProtocolError(
-                ErrorCode.STALE_CLOCK,
-                f"bulk-synchronous clock {self.sync.clock} is still open; "
-                f"pull before pushing clock {clock}",
-            )
+        if self.synchronous:
+            self.sync.check_push(wave, clock)
 
     def _apply(
         self, wave: WaveId, clock: int, tau: int, tensors: list[torch.Tensor], lr_scale: float
@@ -337,28 +336,28 @@ class ShardService:
         open bulk-synchronous sum; returns what was done and the learning-rate factor used."""
         grads = self.shard.gradients(tensors)
         self.shard.store_buffers(wave, tensors)
-        if self.bound.synchronous:
-            # Every gradient of the open clock read the same version (tau = 0): average them.
-            self.sync.add(clock, grads, lr_scale)
+        if self.synchronous:
+            # The gradients of one clock of a group read the same version: average them.
+            self.sync.add(wave, clock, grads, lr_scale)
             return "accumulated", lr_scale
         decision = self.policy.decide(wave, tau, grads, self.shard.params)
         if decision.grads is None:
             self.stats[wave].dropped += 1
         else:
-            lr_scale *= decision.lr_scale
+            lr_scale *= decision.lr_scale * self._lr_factor(1)
             self.shard.apply(decision.grads, lr_scale)
         return decision.action, lr_scale
 
+    def _lr_factor(self, gradients: int) -> float:
+        """The job's update_lr rule for an update averaging ``gradients`` waves' pushes."""
+        waves = self.config.expect_waves or len(self.clocks.live)
+        return update_lr_factor(self.config.job.update_lr, gradients, waves)
+
     def _apply_sum_if_complete(self) -> None:
-        """Bulk-synchronous: apply the mean once every live wave has pushed the open clock
-        (the pulls it unblocks are released by the caller)."""
-        if not self.sync.open:
-            return
-        slowest = self.clocks.min_live_clock()
-        if slowest is not None and slowest <= self.sync.clock:
-            return
-        grads, lr_scale = self.sync.mean()
-        self.shard.apply(grads, lr_scale)
+        """Synchronous updates: apply each group's mean once every live wave of the group has
+        pushed its open clock (the pulls this unblocks are released by the caller)."""
+        for grads, lr_scale, count in self.sync.complete(self.clocks):
+            self.shard.apply(grads, lr_scale * self._lr_factor(count))
 
     def _pull_or_park(
         self,
@@ -369,18 +368,18 @@ class ShardService:
         action: str = "",
         shm: bool = False,
     ) -> Outgoing | None:
-        if self._may_read(clock):
+        if self._may_read(wave, clock):
             return self._weights(peer, request_id, wave, clock, 0.0, action, shm)
         self.parked.park(peer.identity, request_id, wave, clock, action, shm)
         self.stats[wave].parked += 1
         return None
 
-    def _may_read(self, clock: int) -> bool:
+    def _may_read(self, wave: WaveId, clock: int) -> bool:
         if not self.shard.initialized:
             return False
         if len(self.clocks.clocks) < self.config.expect_waves:
             return False  # start barrier: wait for the whole job to register
-        if self.bound.synchronous and self.sync.open and clock > self.sync.clock:
+        if self.synchronous and self.sync.holds_back(wave, clock):
             return False
         return self.bound.may_read(clock, self.clocks)
 
@@ -412,7 +411,7 @@ class ShardService:
         )
         if wave is not None:
             self.stats[wave].record_read(clock, self.shard.version)
-            if not self.bound.synchronous:
+            if not self.synchronous:
                 self.policy.on_read(wave, self.shard.params)
         header = reply_header(request_id, body)
         header.keys = self.shard.keys

@@ -1,15 +1,33 @@
-"""SyncSum: the open bulk-synchronous clock (s = 0): the sum of its gradients and their count.
+"""Synchronous updates: the gradients of one clock averaged into one update, per group of waves.
 
-Every gradient of one clock was computed from the same version, so their mean is one update that
-equals single-process training on the concatenated batches.
+Two ways to group the waves of a job:
+
+- bulk-synchronous (``staleness = 0``): one group, every wave. Every gradient of a clock was
+  computed from the same version, so their mean is one update that equals single-process training
+  on the concatenated batches.
+- wave groups (``updates = "wave-groups"``, the MLSys 2021 design): the waves with the same local
+  index on every device form a group (tick: wave 0 of every worker, tock: wave 1). Each group
+  averages its gradients of a clock into one update, as data-parallel tasks do; the groups run
+  half a cycle apart on the same shards, so each group's update lands between two of the other's
+  and (under staleness bound 1) every update is exactly one group-step stale.
+
+A group's sum for clock ``c`` is applied once every live wave of that group has pushed ``c``; until
+then a wave of the group may not read (its next forward must see its group's update).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
+
+from wavelet.common.protocol import ErrorCode, ProtocolError
+from wavelet.ps.staleness import ClockTable, WaveId
 
 
 class SyncSum:
+    """The open clock of one group: the sum of its gradients and their count."""
+
     def __init__(self) -> None:
         self._sum: dict[int, torch.Tensor] | None = None
         self.clock = -1
@@ -31,10 +49,59 @@ class SyncSum:
         self.count += 1
         self._lr_sum += lr_scale
 
-    def mean(self) -> tuple[dict[int, torch.Tensor], float]:
-        """The mean gradient and mean learning-rate factor; closes the clock."""
+    def mean(self) -> tuple[dict[int, torch.Tensor], float, int]:
+        """The mean gradient, the mean learning-rate factor and how many gradients were
+        averaged; closes the clock."""
         assert self._sum is not None
         grads = {k: s.div_(self.count) for k, s in self._sum.items()}
-        lr_scale = self._lr_sum / self.count
+        lr_scale, count = self._lr_sum / self.count, self.count
         self._sum, self.count, self._lr_sum = None, 0, 0.0
-        return grads, lr_scale
+        return grads, lr_scale, count
+
+
+class SyncGroups:
+    """The open sums of every group; ``by_wave_index``: a group per local wave index (wave
+    groups), else one group of all waves (bulk-synchronous)."""
+
+    def __init__(self, by_wave_index: bool):
+        self.by_wave_index = by_wave_index
+        self.sums: dict[Hashable, SyncSum] = {}
+
+    def group_of(self, wave: WaveId) -> Hashable:
+        return wave[1] if self.by_wave_index else "all"
+
+    def _sum(self, wave: WaveId) -> SyncSum:
+        return self.sums.setdefault(self.group_of(wave), SyncSum())
+
+    def check_push(self, wave: WaveId, clock: int) -> None:
+        """A group's pushes come clock by clock: refuse one for another clock than the open."""
+        s = self._sum(wave)
+        if s.open and clock != s.clock:
+            raise ProtocolError(
+                ErrorCode.STALE_CLOCK,
+                f"the synchronous clock {s.clock} of this wave's group is still open; "
+                f"pull before pushing clock {clock}",
+            )
+
+    def add(self, wave: WaveId, clock: int, grads: dict[int, torch.Tensor], lr: float) -> None:
+        self._sum(wave).add(clock, grads, lr)
+
+    def holds_back(self, wave: WaveId, clock: int) -> bool:
+        """``wave`` may not read for ``clock`` yet: its group's update of an earlier clock is
+        still being summed."""
+        s = self._sum(wave)
+        return s.open and clock > s.clock
+
+    def complete(self, clocks: ClockTable) -> list[tuple[dict[int, torch.Tensor], float, int]]:
+        """Close every sum whose group's live waves have all pushed its clock; their means,
+        in group order."""
+        out = []
+        for group in sorted(self.sums, key=str):
+            s = self.sums[group]
+            if not s.open:
+                continue
+            members = [clocks.clocks[w] for w in clocks.live if self.group_of(w) == group]
+            if members and min(members) <= s.clock:
+                continue  # a live wave of the group has not pushed this clock yet
+            out.append(s.mean())
+        return out

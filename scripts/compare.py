@@ -53,6 +53,19 @@ MODES: dict[str, Mode] = {
         {"waves": 2},
         None,
     ),
+    "ticktock-async": Mode(
+        "PS, 2 waves tick-tock, every push an update on arrival (updates = async)",
+        {"schedule": "ticktock"},
+        {"waves": 2, "updates": "async"},
+        None,
+    ),
+    "ticktock-groups": Mode(
+        "PS, 2 waves tick-tock, synchronous wave groups: the tick waves of all devices average "
+        "into one update, the tock waves into the next (updates = wave-groups)",
+        {"schedule": "ticktock"},
+        {"waves": 2, "updates": "wave-groups"},
+        None,
+    ),
     "ticktock-tcp": Mode(
         "PS, 2 waves tick-tock, tensors over TCP (ZeroMQ frames) even to co-located shards",
         {"schedule": "ticktock", "transport": "tcp"},

@@ -116,9 +116,13 @@ class RawClient:
 class ServiceWave:
     """Frames a wave would send to a one-shard job, and the replies, through ``service.handle``."""
 
-    def __init__(self, service: ShardService, worker: str = "w0", peer: bytes = b""):
+    def __init__(
+        self, service: ShardService, worker: str = "w0", peer: bytes = b"", wave: int = 0
+    ):
         self.service = service
-        self.peer = peer or worker.encode()  # its connection: one per wave, as a PSClient has
+        # its connection: one per wave, as a PSClient has
+        self.peer = peer or f"{worker}/{wave}".encode()
+        self.wave = wave
         self.model = tiny_model()
         self.plan = ShardingPlan.for_model(self.model, 1, 4 << 20)
         self.tensors = {n: t for n, t, _ in model_tensors(self.model)}
@@ -132,7 +136,7 @@ class ServiceWave:
 
     def send(self, op: Op, tensors=(), **fields) -> list:
         """Every message the service answers with (the reply, and pulls it released)."""
-        h = Header(op=op, worker=self.worker, wave=0, plan=self.plan.fingerprint, **fields)
+        h = Header(op=op, worker=self.worker, wave=self.wave, plan=self.plan.fingerprint, **fields)
         return self.service.handle(self.peer, [bytes(f) for f in encode(h, list(tensors))])
 
     def join(self, resume: bool = False) -> Header:

@@ -1,0 +1,158 @@
+"""Update rules in-process on a ShardService: wave groups (the synchronous tick and tock groups
+of the MLSys 2021 design), the step size per update, and momentum corrected for asynchrony."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import ServiceWave, push_header, reply_of, service_for
+
+from wavelet.common.config import ConfigError, JobConfig, OptimizerConfig
+from wavelet.common.protocol import Op, encode
+from wavelet.ps.update_rules import corrected_momentum, update_lr_factor
+
+LR = 0.1
+
+
+def _service(tmp_path, waves=4, **job):
+    settings = dict(optimizer=OptimizerConfig(lr=LR, kwargs={"momentum": 0}), staleness=1)
+    return service_for(tmp_path, job={**settings, **job}, expect_waves=waves, shm=False)
+
+
+def _grads(wave, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(c.numel, generator=g) for c in wave.chunks]
+
+
+def _push(wave, clock, read, grads) -> list:
+    """Push and pull (as a wave does): every message the shard answers with."""
+    h = push_header(
+        wave.plan.fingerprint, wave.chunks, wave.worker, wave.wave, clock=clock, read_version=read
+    )
+    h.op = Op.PUSH_PULL
+    return wave.service.handle(wave.peer, [bytes(f) for f in encode(h, grads)])
+
+
+def _weights(service):
+    return [v.numpy().copy() for v in service.shard.values()]
+
+
+def _grid(service):
+    """Two workers with a tick (0) and a tock (1) wave each, registered, all at version 0."""
+    waves = {(w, i): ServiceWave(service, worker=w, wave=i) for w in ("a", "b") for i in (0, 1)}
+    for wave in waves.values():
+        wave.join()
+    return waves
+
+
+def test_a_wave_group_averages_its_gradients_into_one_update(tmp_path):
+    service = _service(tmp_path, updates="wave-groups")
+    try:
+        waves = _grid(service)
+        w0 = _weights(service)
+        ga, gb = _grads(waves["a", 0], 1), _grads(waves["b", 0], 2)
+        assert _push(waves["a", 0], 0, 0, ga) == []  # its pull waits for the group's update
+        assert service.shard.version == 0
+        out = _push(waves["b", 0], 0, 0, gb)  # the group is complete: one update
+        assert service.shard.version == 1
+        replies = sorted(reply_of(m).body["version"] for m in out)
+        assert replies == [1, 1]  # both tick waves read the same version, their group's update
+        for w, a, b, got in zip(w0, ga, gb, _weights(service), strict=True):
+            np.testing.assert_allclose(got, w - LR * (a.numpy() + b.numpy()) / 2, atol=1e-6)
+        # the tock group pushes from version 0 too: one more update, one group-step stale
+        _push(waves["a", 1], 0, 0, _grads(waves["a", 1], 3))
+        _push(waves["b", 1], 0, 0, _grads(waves["b", 1], 4))
+        assert service.shard.version == 2
+        for wave in ("a", "b"):
+            assert service.stats[wave, 1].staleness == {1: 1}
+    finally:
+        service.close()
+
+
+def test_wave_groups_alternate_and_every_update_is_one_step_stale(tmp_path):
+    service = _service(tmp_path, updates="wave-groups")
+    try:
+        waves = _grid(service)
+        read = {key: 0 for key in waves}
+        for clock in range(6):
+            for group in (0, 1):  # tick, then tock: half a cycle apart
+                for worker in ("a", "b"):
+                    wave = waves[worker, group]
+                    for m in _push(wave, clock, read[worker, group], _grads(wave, clock)):
+                        h = reply_of(m)
+                        assert h.op == "reply", h.body
+                        # released pulls go to the group's waves: record the version each read
+                        owner = next(k for k, w in waves.items() if w.peer == m.peer)
+                        read[owner] = h.body["version"]
+        assert service.shard.version == 12  # one update per group and clock
+        for key, st in service.stats.items():
+            # the first tick update is fresh; every other one had one update of the other group
+            # applied between its read and its push
+            expected = {0: 1, 1: 5} if key[1] == 0 else {1: 6}
+            assert dict(st.staleness) == expected, (key, st.staleness)
+    finally:
+        service.close()
+
+
+def test_wave_groups_need_a_staleness_bound_of_at_least_one():
+    with pytest.raises(ConfigError, match="staleness >= 1"):
+        JobConfig(updates="wave-groups", staleness=0)
+
+
+@pytest.mark.parametrize("rule,factor", [("full", 1.0), ("by-samples", 0.25)])
+def test_by_samples_gives_a_push_its_share_of_the_job_step(tmp_path, rule, factor):
+    service = _service(tmp_path, update_lr=rule, staleness=float("inf"))
+    try:
+        waves = _grid(service)
+        w0 = _weights(service)
+        g = _grads(waves["a", 0], 7)
+        assert reply_of(_push(waves["a", 0], 0, 0, g)[0]).op == "reply"
+        for w, x, got in zip(w0, g, _weights(service), strict=True):
+            np.testing.assert_allclose(got, w - factor * LR * x.numpy(), atol=1e-6)
+    finally:
+        service.close()
+
+
+def test_by_samples_in_wave_groups_is_the_group_share(tmp_path):
+    service = _service(tmp_path, updates="wave-groups", update_lr="by-samples")
+    try:
+        waves = _grid(service)
+        w0 = _weights(service)
+        ga, gb = _grads(waves["a", 0], 1), _grads(waves["b", 0], 2)
+        _push(waves["a", 0], 0, 0, ga)
+        _push(waves["b", 0], 0, 0, gb)
+        for w, a, b, got in zip(w0, ga, gb, _weights(service), strict=True):
+            # two of four waves' samples: half the step all-reduce takes for all four
+            np.testing.assert_allclose(got, w - 0.5 * LR * (a + b).numpy() / 2, atol=1e-6)
+    finally:
+        service.close()
+
+
+def test_lr_factor_rules():
+    assert update_lr_factor("full", 1, 8) == 1.0
+    assert update_lr_factor("by-samples", 1, 8) == 0.125
+    assert update_lr_factor("by-samples", 8, 8) == 1.0
+    assert update_lr_factor("by-samples", 1, 0) == 1.0  # waves unknown: the full step
+
+
+def test_momentum_correction_lowers_the_shards_momentum(tmp_path):
+    assert corrected_momentum(0.9, 1) == pytest.approx(0.9)
+    assert corrected_momentum(0.9, 2) == pytest.approx(0.8)
+    assert corrected_momentum(0.9, 4) == pytest.approx(0.6)
+    assert corrected_momentum(0.7, 4) == 0.0
+    momentum = {"momentum": 0.9}
+    cases = [
+        (dict(staleness=float("inf")), 0.6),  # 4 asynchronous waves
+        (dict(updates="wave-groups"), 0.8),  # 2 groups
+        (dict(staleness=0), 0.9),  # one bulk-synchronous stream
+    ]
+    for n, (job, want) in enumerate(cases):
+        service = _service(
+            tmp_path / str(n),
+            optimizer=OptimizerConfig(lr=LR, kwargs=momentum),
+            momentum_correction=True,
+            **job,
+        )
+        try:
+            assert service.shard.optimizer_config.kwargs["momentum"] == pytest.approx(want)
+        finally:
+            service.close()
