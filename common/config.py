@@ -231,8 +231,8 @@ class JobConfig:
     updates: str = setting(
         "async",
         help="async: every push is an update (within the staleness bound); wave-groups: the "
-        "tick waves of all devices average into one update, the tock waves into another, the "
-        "two alternating (MLSys 2021)",
+        "tick waves of all devices average into one update, the tock waves into the next, in "
+        "turns (MLSys 2021; the turn order replaces the staleness bound)",
         choices=UPDATES,
     )
     update_lr: str = setting(
@@ -309,9 +309,10 @@ class JobConfig:
             self.staleness = int(s)
         if self.updates == "wave-groups" and self.staleness == 0:
             raise ConfigError(
-                "updates = wave-groups with staleness 0 would make the tick and tock groups wait "
-                "for each other's update: use staleness >= 1 (1 keeps them one step apart), or "
-                "updates = async with staleness 0 for one bulk-synchronous update of all waves"
+                "updates = wave-groups keeps the tick and tock groups one update apart, but "
+                "staleness 0 asks for one bulk-synchronous update of all waves: drop "
+                "--staleness 0 (wave groups use no staleness bound: their turn order is the "
+                "bound), or use updates = async with staleness 0"
             )
 
     @property

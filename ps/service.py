@@ -381,6 +381,8 @@ class ShardService:
             return False  # start barrier: wait for the whole job to register
         if self.synchronous and self.sync.holds_back(wave, clock):
             return False
+        if self.sync.by_wave_index:  # wave groups: the turn order is the bound
+            return self.sync.in_turn(wave, clock, self.clocks)
         return self.bound.may_read(clock, self.clocks)
 
     def _serve_parked(self, p: ParkedPull, waited: float) -> Outgoing:

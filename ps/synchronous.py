@@ -7,12 +7,15 @@ Two ways to group the waves of a job:
   on the concatenated batches.
 - wave groups (``updates = "wave-groups"``, the MLSys 2021 design): the waves with the same local
   index on every device form a group (tick: wave 0 of every worker, tock: wave 1). Each group
-  averages its gradients of a clock into one update, as data-parallel tasks do; the groups run
-  half a cycle apart on the same shards, so each group's update lands between two of the other's
-  and (under staleness bound 1) every update is exactly one group-step stale.
+  averages its gradients of a clock into one update, as data-parallel tasks do; the groups take
+  turns on the same shards, half a cycle apart, so each group's update lands between two of the
+  other's and every update after the first is exactly one group-step stale.
 
 A group's sum for clock ``c`` is applied once every live wave of that group has pushed ``c``; until
-then a wave of the group may not read (its next forward must see its group's update).
+then a wave of the group may not read (its next forward must see its group's update). Wave groups
+also keep the turns in order (``in_turn``): group g reads clock c once every earlier group has
+pushed c - 1 and every later group c - 2, which is the tick-tock timeline (tick c reads before
+tock's update c - 1 lands, tock c after tick's update c - 1).
 """
 
 from __future__ import annotations
@@ -91,6 +94,16 @@ class SyncGroups:
         still being summed."""
         s = self._sum(wave)
         return s.open and clock > s.clock
+
+    def in_turn(self, wave: WaveId, clock: int, clocks: ClockTable) -> bool:
+        """Wave groups: the other groups are where the turn order needs them for ``wave`` to
+        read ``clock`` (see the module's docstring)."""
+        group = self.group_of(wave)
+        for other in {self.group_of(w) for w in clocks.live} - {group}:
+            need = clock if other < group else clock - 1  # clocks they must have pushed up to
+            if any(clocks.clocks[w] < need for w in clocks.live if self.group_of(w) == other):
+                return False
+        return True
 
     def complete(self, clocks: ClockTable) -> list[tuple[dict[int, torch.Tensor], float, int]]:
         """Close every sum whose group's live waves have all pushed its clock; their means,

@@ -307,12 +307,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         format_table,
         parse_bounds,
         parse_policies,
+        parse_updates,
         settings_for,
         tune,
     )
 
     job = job_from_args(args)
-    settings = settings_for(parse_bounds(args.bounds), parse_policies(args.policies))
+    settings = settings_for(
+        parse_bounds(args.bounds), parse_policies(args.policies), parse_updates(args.sweep_updates)
+    )
     for d in args.devices:
         check_device(d)
     out = Path(args.out or f"runs/tune-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -552,6 +555,14 @@ def _add_sweep_commands(sub) -> None:
         help="stale-gradient policies to try, from "
         + ", ".join(STALE_POLICIES)
         + " (default: all)",
+    )
+    tune.add_argument(
+        "--update-rules",
+        dest="sweep_updates",
+        metavar="RULES",
+        default="async",
+        help="update rules to try, from async (every bound and policy above) and wave-groups "
+        "(once) (default async)",
     )
     _add_sweep_flags(tune, "tune")
     tune.set_defaults(run=_cmd_tune)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import traceback
 from pathlib import Path
 
 from wavelet.common.config import JobConfig, LaunchConfig
 from wavelet.common.figures import RunFigures, run_figures
+from wavelet.common.machine import usable_cores
 from wavelet.scripts.budget import (
     ActivationProbe,
     Budget,
@@ -74,7 +74,7 @@ MODES: dict[str, Mode] = {
     ),
     "ticktock-wide": Mode(
         "PS, 2 waves tick-tock, the worker's thread pool sized for one wave at a time",
-        {"schedule": "ticktock", "threads": os.cpu_count() or 1},
+        {"schedule": "ticktock", "threads": usable_cores()},
         {"waves": 2},
         None,
     ),
@@ -169,14 +169,28 @@ def mode_job(
     # all-reduce: launch gives each rank batch_size x waves / processes_per_device
     per_device = mode.launch.get("processes_per_device", 1)
     waves = per_device if mode.allreduce else run_job.waves
-    samples_per_update = batch * (processes if mode.allreduce else 1)
-    lr = scaled_lr(job, samples_per_update, plan.lr_rule)
+    lr = scaled_lr(job, batch * _gradients_per_lr(mode, run_job, processes), plan.lr_rule)
     optimizer = dataclasses.replace(run_job.optimizer, lr=lr)
     return (
         dataclasses.replace(run_job, batch_size=batch, waves=waves, optimizer=optimizer),
         batch,
         peak,
     )
+
+
+def _gradients_per_lr(mode: Mode, job: JobConfig, processes: int) -> int:
+    """How many tasks' batches the optimizer's lr is meant for in ``mode``: all-reduce and
+    bulk-synchronous updates average every task's (the ranks', or all waves'), a wave group its
+    workers' waves, an asynchronous push one wave's; with update_lr = by-samples the shards scale
+    each update by its share of all waves, so the lr is the one for every wave's batch."""
+    if mode.allreduce:
+        return processes
+    tasks = processes * job.waves
+    if job.update_lr == "by-samples" or job.staleness == 0:
+        return tasks
+    if job.updates == "wave-groups":
+        return processes
+    return 1
 
 
 def compare(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import socket
 import sys
 import time
@@ -26,6 +25,7 @@ from wavelet.common.config import (
     to_dict,
 )
 from wavelet.common.job import check_job
+from wavelet.common.machine import usable_cores
 from wavelet.common.protocol import ShardError
 from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
 from wavelet.scripts.report import Progress, format_summary, summarize
@@ -172,7 +172,7 @@ def metrics_urls(
 
 def _threads_per_process(devices: list[str], per_device: int = 1) -> int:
     cpu_processes = sum(per_device for d in devices if d.startswith("cpu"))
-    return max(1, (os.cpu_count() or 1) // max(1, cpu_processes))
+    return max(1, usable_cores() // max(1, cpu_processes))
 
 
 def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:

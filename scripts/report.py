@@ -27,9 +27,12 @@ def summarize(
     progress: Progress,
     keys=None,
     admin_token: str = "",
+    job_wide: dict | None = None,
 ) -> dict:
     """The end of a job: with shards, test their weights, fetch their statistics and stop them;
-    then write and return summary.json (accuracy, samples/s, lost updates, staleness per wave)."""
+    then write and return summary.json (accuracy, samples/s, lost updates, staleness per wave).
+    ``job_wide``: samples and samples/s of every node's workers (under torchrun; the records here
+    are this node's only)."""
     progress.read()
     if addresses:
         accuracy = evaluate_shards(addresses, job_cfg, keys=keys)
@@ -51,7 +54,15 @@ def summarize(
         "samples_per_s": progress.samples / max(progress.elapsed(), 1e-9),
         "lost_updates": progress.lost_updates,
         "waves": stats,
+        "throughput_of": "this machine's workers",
     }
+    if job_wide is not None:
+        summary.update(
+            samples=job_wide["samples"],
+            samples_per_s=job_wide["samples_per_s"],
+            train_seconds=job_wide["train_seconds"],
+            throughput_of=f"the job's {job_wide['workers']} workers on every node",
+        )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

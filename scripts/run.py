@@ -16,6 +16,7 @@ and workers go on from their clocks.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -26,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from wavelet.common.config import ConfigError, PSConfig, RunConfig, WorkerConfig
+from wavelet.common.machine import interface_of, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,17 @@ def reachable_host(role: Role) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((role.master_addr, role.master_port))
         return s.getsockname()[0]
+
+
+def _gloo_interface(role: Role) -> None:
+    """gloo picks the interface of the host name, often loopback; over several nodes it must use
+    the one that routes to MASTER_ADDR, as the shards bind. Set unless the user set it."""
+    if role.nodes == 1 or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = interface_of(reachable_host(role))
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log.info("gloo uses interface %s (the route to %s)", name, role.master_addr)
 
 
 def open_store(role: Role):
@@ -267,7 +280,7 @@ def _worker(config: RunConfig, role: Role, layout: Layout, store) -> int:
     job, run_dir = config.job, config.run_dir
     local = role.local_rank - layout.shards_per_node
     device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    cores = max(1, (os.cpu_count() or 1) // layout.workers_per_node)
+    cores = max(1, usable_cores() // layout.workers_per_node)
     worker_config = WorkerConfig(
         job=job,
         shard_addresses=addresses,
@@ -291,6 +304,7 @@ def _worker(config: RunConfig, role: Role, layout: Layout, store) -> int:
         code = _report_while(daemon, job, role, layout, store, addresses, run_dir, started, keys)
     else:
         code = daemon.run()
+        publish_throughput(store, _key(role, f"throughput/{rank}"), Path(run_dir), rank)
     store.set(_key(role, f"done/{rank}"), str(code))
     return code
 
@@ -312,6 +326,7 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
             progress.read()
             print(progress.line(time.time() - started), flush=True)
     code = result[0] if result else 1
+    publish_throughput(store, _key(role, "throughput/0"), Path(run_dir), 0)
     store.set(_key(role, "done/0"), str(code))
     done = [_key(role, f"done/{r}") for r in range(layout.workers)]
     _wait_for_stragglers(store, done)
@@ -330,6 +345,9 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
         progress,
         client_keys,
         _admin_token(role, store),
+        job_wide=job_throughput(
+            store, [_key(role, f"throughput/{r}") for r in range(layout.workers)]
+        ),
     )
     print("\n" + format_summary(summary), flush=True)
     return 0
@@ -340,6 +358,7 @@ def _allreduce_rank(config: RunConfig, role: Role) -> int:
 
     from wavelet.worker.allreduce import AllReduceWorker
 
+    _gloo_interface(role)
     device = f"cuda:{role.local_rank}" if torch.cuda.is_available() else "cpu"
     job, run_dir = config.job, config.run_dir
     rank_config = WorkerConfig(
@@ -347,16 +366,55 @@ def _allreduce_rank(config: RunConfig, role: Role) -> int:
         device=device,
         rank=0,
         num_workers=1,
-        threads=max(1, (os.cpu_count() or 1) // role.local_world),
+        threads=max(1, usable_cores() // role.local_world),
         run_dir=run_dir,
         mode="allreduce",
     )
     started = time.time()
     code = AllReduceWorker(rank_config).run()
+    store = open_store(role)
+    publish_throughput(store, _key(role, f"throughput/{role.rank}"), Path(run_dir), role.rank)
+    store.set(_key(role, f"done/{role.rank}"), str(code))
     if role.rank == 0 and code == 0:
         from wavelet.scripts.report import Progress, format_summary, summarize
 
+        _wait_for_stragglers(store, [_key(role, f"done/{r}") for r in range(role.world)])
         progress = Progress(Path(run_dir), job.epochs, since=started)
-        summary = summarize(Path(run_dir), "allreduce (torchrun)", job, [], progress)
+        throughput = job_throughput(
+            store, [_key(role, f"throughput/{r}") for r in range(role.world)]
+        )
+        summary = summarize(
+            Path(run_dir), "allreduce (torchrun)", job, [], progress, job_wide=throughput
+        )
         print("\n" + format_summary(summary), flush=True)
     return code
+
+
+def publish_throughput(store, key: str, run_dir: Path, rank: int) -> None:
+    """This worker's samples and seconds of training, from its own records, for worker 0's
+    summary: each node keeps its records in its own run dir, so only the store sees the job."""
+    from wavelet.common.records import read_records
+
+    samples, first, last = 0, None, None
+    for path in (run_dir / "records").glob(f"worker-{rank}-wave-*.jsonl"):
+        for r in read_records(path):
+            if r["kind"] == "start":
+                first = r["t"] if first is None else min(first, r["t"])
+            elif r["kind"] == "step":
+                samples += r["samples"]
+                last = r["t"] if last is None else max(last, r["t"])
+    seconds = (last - first) if first is not None and last is not None else 0.0
+    store.set(key, json.dumps({"samples": samples, "seconds": seconds}))
+
+
+def job_throughput(store, keys: list[str]) -> dict:
+    """Samples and samples/s of the whole job: each worker's rate over its own span, summed (no
+    node's clock is compared with another's)."""
+    store.wait(keys)
+    parts = [json.loads(store.get(k)) for k in keys]
+    return {
+        "samples": sum(p["samples"] for p in parts),
+        "samples_per_s": sum(p["samples"] / p["seconds"] for p in parts if p["seconds"] > 0),
+        "train_seconds": max((p["seconds"] for p in parts), default=0.0),
+        "workers": len(parts),
+    }

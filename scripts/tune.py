@@ -1,4 +1,4 @@
-"""``wavelet tune``: sweep staleness bounds and stale-gradient policies on one job.
+"""``wavelet tune``: sweep staleness bounds, stale-gradient policies and update rules on one job.
 
 Every setting runs as a real job under the same budget, optionally with one wave slowed down to
 play a straggler. Writes ``report.md`` (a table and a recommendation), ``accuracy.png``,
@@ -13,7 +13,14 @@ import math
 import traceback
 from pathlib import Path
 
-from wavelet.common.config import INF, STALE_POLICIES, ConfigError, JobConfig, LaunchConfig
+from wavelet.common.config import (
+    INF,
+    STALE_POLICIES,
+    UPDATES,
+    ConfigError,
+    JobConfig,
+    LaunchConfig,
+)
 from wavelet.common.figures import RunFigures, run_figures
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time
@@ -23,9 +30,12 @@ from wavelet.scripts.plots import accuracy_vs_time
 class Setting:
     bound: float
     policy: str
+    updates: str = "async"
 
     @property
     def name(self) -> str:
+        if self.updates == "wave-groups":
+            return "wave-groups"  # its own turn order, no bound, no policy
         return f"s={_bound(self.bound)} {self.policy}"
 
 
@@ -67,12 +77,27 @@ def parse_policies(text: str) -> list[str]:
     return policies
 
 
-def settings_for(bounds: list[float], policies: list[str]) -> list[Setting]:
-    """Every (bound, policy) pair; under s = 0 every policy is the same, so it runs once."""
+def parse_updates(text: str) -> list[str]:
+    """``async,wave-groups`` -> ["async", "wave-groups"]; unknown or none is a ConfigError."""
+    rules = [u.strip() for u in text.split(",") if u.strip()]
+    if not rules or any(u not in UPDATES for u in rules):
+        raise ConfigError(f"--update-rules {text!r}: choose from {', '.join(UPDATES)}")
+    return rules
+
+
+def settings_for(
+    bounds: list[float], policies: list[str], updates: tuple[str, ...] = ("async",)
+) -> list[Setting]:
+    """Every (bound, policy) pair for asynchronous updates (under s = 0 every policy is the same,
+    so it runs once), and wave groups once (their turn order is their bound, and they apply a
+    group's mean without a policy)."""
     out = []
-    for b in bounds:
-        for p in [policies[0]] if b == 0 else policies:
-            out.append(Setting(b, p))
+    if "async" in updates:
+        for b in bounds:
+            for p in [policies[0]] if b == 0 else policies:
+                out.append(Setting(b, p))
+    if "wave-groups" in updates:
+        out.append(Setting(1, "apply", "wave-groups"))
     return out
 
 
@@ -82,10 +107,16 @@ def tune(
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for i, setting in enumerate(settings):
-        run_dir = out / f"{i:02d}-s{_bound(setting.bound)}-{setting.policy}"
+        label = setting.name.replace("=", "").replace(" ", "-")
+        run_dir = out / f"{i:02d}-{label}"
         print(f"== {setting.name}", flush=True)
         try:
-            cfg = dataclasses.replace(job, staleness=setting.bound, stale_policy=setting.policy)
+            cfg = dataclasses.replace(
+                job,
+                staleness=setting.bound,
+                stale_policy=setting.policy,
+                updates=setting.updates,
+            )
             code = launch(LaunchConfig(job=cfg, devices=devices, run_dir=str(run_dir)), quiet=True)
             if code != 0:
                 results.append(
@@ -186,6 +217,7 @@ def write_report(results: list[SettingResult], out: Path, target: float, job: Jo
                 {
                     "bound": _bound(r.setting.bound),
                     "policy": r.setting.policy,
+                    "updates": r.setting.updates,
                     **(r.figures.to_json() if r.figures else {"error": r.error}),
                 }
                 for r in results
@@ -202,7 +234,9 @@ def write_report(results: list[SettingResult], out: Path, target: float, job: Jo
     (out / "report.md").write_text(
         f"# wavelet tune\n\n{job.model} on {job.dataset}, {budget}, {straggler}.\n\n"
         f"{format_table(results, target)}\n\n{format_recommendation(results)}\n\n"
-        "Under s = 0 every policy is the same (all gradients have staleness 0), so it runs once. "
+        "Under s = 0 every policy is the same (all gradients have staleness 0), so it runs once; "
+        "wave groups run once (their turn order is their bound, and they apply each group's "
+        "mean). "
         "Raw records: each setting's `records/`; numbers: metrics.json.\n\n"
         "![accuracy](accuracy.png)\n"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 
 import msgpack
 import torch
@@ -116,9 +117,7 @@ class RawClient:
 class ServiceWave:
     """Frames a wave would send to a one-shard job, and the replies, through ``service.handle``."""
 
-    def __init__(
-        self, service: ShardService, worker: str = "w0", peer: bytes = b"", wave: int = 0
-    ):
+    def __init__(self, service: ShardService, worker: str = "w0", peer: bytes = b"", wave: int = 0):
         self.service = service
         # its connection: one per wave, as a PSClient has
         self.peer = peer or f"{worker}/{wave}".encode()
@@ -166,3 +165,15 @@ def service_for(tmp_path, job: dict | None = None, **ps) -> ShardService:
     settings = dict(model="mlp", dataset="synthetic", shards=1, staleness=float("inf"))
     job_config = JobConfig(**{**settings, **(job or {})})
     return ShardService(PSConfig(job=job_config, run_dir=str(tmp_path), **ps), admin_token="secret")
+
+
+def record_samples(run_dir) -> int:
+    """Training samples in a run dir's worker records (steps of every wave and rank)."""
+    from wavelet.common.records import read_records
+
+    return sum(
+        r["samples"]
+        for path in (Path(run_dir) / "records").glob("worker-*.jsonl")
+        for r in read_records(path)
+        if r["kind"] == "step"
+    )

@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 from conftest import CHILD_ENV, run_wavelet
+from helpers import record_samples
 
 from wavelet.common.records import read_records
 
@@ -162,6 +163,9 @@ def test_two_nodes_under_torchrun_train_the_default_job(two_hosts, tmp_path):
         assert summary["test_accuracy"] >= 0.97, summary
         assert set(summary["waves"]) == {"w0/0", "w0/1", "w1/0", "w1/1"}
         assert all(w["transport"] == "tcp" for w in summary["waves"].values())
+        # node a's summary counts node b's worker too (its records are on node b)
+        both = record_samples(tmp_path / "a") + record_samples(tmp_path / "b")
+        assert summary["samples"] == both and "2 workers" in summary["throughput_of"], summary
     finally:
         for proc, log in procs:
             if proc.poll() is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import CHILD_ENV, between_checkpoints, descendants, started, wait_for
+from helpers import record_samples
 
 from wavelet.common import shm
 from wavelet.scripts.cli import build_parser
@@ -91,6 +92,8 @@ def test_a_ps_job_under_torchrun_reaches_the_accuracy_bar(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["test_accuracy"] >= 0.97, summary
     assert set(summary["waves"]) == {"w0/0", "w0/1", "w1/0", "w1/1"}  # 2 workers x 2 waves
+    # job-wide: every worker's samples, from every worker's records
+    assert summary["samples"] == record_samples(run_dir) and "2 workers" in summary["throughput_of"]
     _assert_nothing_left(run_dir)
 
 
@@ -116,6 +119,7 @@ def test_an_allreduce_job_under_torchrun_reports_like_launch(tmp_path):
     assert "final test accuracy" in done.stdout and "samples/s" in done.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mode"] == "allreduce (torchrun)" and summary["test_accuracy"] > 0.5
+    assert summary["samples"] == record_samples(run_dir) and "2 workers" in summary["throughput_of"]
     _assert_nothing_left(run_dir)
 
 

@@ -4,8 +4,9 @@ import matplotlib.image
 import pytest
 from conftest import run_wavelet
 
+from wavelet.common.config import ConfigError
 from wavelet.common.figures import RunFigures
-from wavelet.scripts.tune import Setting, SettingResult, recommend, settings_for
+from wavelet.scripts.tune import Setting, SettingResult, parse_updates, recommend, settings_for
 
 
 def test_settings_skip_policies_under_bulk_synchronous():
@@ -72,3 +73,11 @@ def test_tiny_sweep_produces_a_complete_report(tmp_path):
     best = min(reached, key=reached.get)
     assert f"Recommended: **s={best}**" in report
     assert matplotlib.image.imread(out / "accuracy.png").shape[0] > 100
+
+
+def test_wave_groups_run_once_beside_the_async_sweep():
+    got = [s.name for s in settings_for([1, float("inf")], ["apply"], ("async", "wave-groups"))]
+    assert got == ["s=1 apply", "s=inf apply", "wave-groups"]
+    assert [s.name for s in settings_for([0], ["apply"], ("wave-groups",))] == ["wave-groups"]
+    with pytest.raises(ConfigError, match="update-rules"):
+        parse_updates("async,sometimes")

@@ -85,16 +85,40 @@ def test_wave_groups_alternate_and_every_update_is_one_step_stale(tmp_path):
                         read[owner] = h.body["version"]
         assert service.shard.version == 12  # one update per group and clock
         for key, st in service.stats.items():
-            # the first tick update is fresh; every other one had one update of the other group
-            # applied between its read and its push
+            # the first tick update is fresh; every other one had exactly one update of the
+            # other group applied between its read and its push
             expected = {0: 1, 1: 5} if key[1] == 0 else {1: 6}
             assert dict(st.staleness) == expected, (key, st.staleness)
+
+    finally:
+        service.close()
+
+
+def test_a_group_waits_its_turn(tmp_path):
+    service = _service(tmp_path, updates="wave-groups")
+    try:
+        waves = _grid(service)
+        tick = [waves["a", 0], waves["b", 0]]
+        tock = [waves["a", 1], waves["b", 1]]
+        for group, version in ((tick, 1), (tock, 2)):  # clock 0, in turn
+            assert _push(group[0], 0, 0, _grads(group[0], 0)) == []  # its group's sum is open
+            out = _push(group[1], 0, 0, _grads(group[1], 0))
+            assert [reply_of(m).body["version"] for m in out] == [version, version]
+        # tock pushes clock 1 before tick: its update lands, but its pulls of clock 2 wait for
+        # tick's push of clock 1 (a plain staleness bound of 1 would let them read now)
+        _push(tock[0], 1, 2, _grads(tock[0], 1))
+        assert _push(tock[1], 1, 2, _grads(tock[1], 1)) == []
+        assert service.shard.version == 3 and len(service.parked) == 2
+        _push(tick[0], 1, 1, _grads(tick[0], 1))
+        out = _push(tick[1], 1, 1, _grads(tick[1], 1))
+        assert len(out) == 4 and len(service.parked) == 0  # both groups read clock 2
+        assert {reply_of(m).body["version"] for m in out} == {4}
     finally:
         service.close()
 
 
 def test_wave_groups_need_a_staleness_bound_of_at_least_one():
-    with pytest.raises(ConfigError, match="staleness >= 1"):
+    with pytest.raises(ConfigError, match="staleness 0 asks for one bulk-synchronous update"):
         JobConfig(updates="wave-groups", staleness=0)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import sys
 import threading
 from pathlib import Path
@@ -21,6 +20,7 @@ import zmq
 
 from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import build_dataset
+from wavelet.common.machine import usable_cores
 from wavelet.common.models import build_model
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.connection import client_keys
@@ -109,7 +109,7 @@ class WorkerDaemon:
         cfg, job = self.config, self.config.job
         if cfg.threads:
             return ThreadChoice(cfg.threads, "fixed")
-        budget = cfg.core_budget or os.cpu_count() or 1
+        budget = cfg.core_budget or usable_cores()
         if cfg.device != "cpu" and not cfg.device.startswith("cpu"):
             return ThreadChoice(max(1, budget // job.waves), "narrow")  # a GPU computes
         model = build_model(
