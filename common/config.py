@@ -205,6 +205,12 @@ class JobConfig:
     dataset_kwargs: dict[str, Any] = setting(
         default_factory=dict, help="the dataset factory's keyword arguments", flag=""
     )
+    step: str = setting(
+        "classification",
+        help="the step of training: classification (cross-entropy of model(x) against y), or "
+        "package.module:function taking (model, batch) and returning the loss or (loss, "
+        "{name: float})",
+    )
     batch_size: int = setting(32, help="samples per step, per wave")
     epochs: int = setting(15, help="passes over each wave's part of the data")
     max_seconds: float = setting(0.0, help="wall-clock budget per wave; 0: epochs alone decide")

@@ -7,6 +7,7 @@ import torch
 from wavelet.common.config import ConfigError, JobConfig
 from wavelet.common.datasets import Dataset, build_dataset
 from wavelet.common.models import build_model
+from wavelet.common.step import load_step
 
 
 def build_dataset_and_model(
@@ -26,6 +27,10 @@ def check_job(job: JobConfig, total_waves: int) -> None:
         dataset, _ = build_dataset_and_model(job)
     except (ValueError, TypeError, ImportError) as e:
         raise ConfigError(f"cannot build the job's model or dataset: {e}") from None
+    try:
+        load_step(job.step)
+    except ValueError as e:
+        raise ConfigError(f"cannot load the job's step: {e}") from None
     per_wave = len(dataset.train_x) // total_waves
     if per_wave < job.batch_size:
         raise ConfigError(

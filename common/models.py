@@ -1,11 +1,15 @@
 """Built-in models, and a user's own model by import path (``package.module:function``).
 
-Every factory takes the dataset's ``input_shape`` and ``num_classes`` and any extra keyword
-arguments from the job's ``model_kwargs``.
+A factory gets the job's ``model_kwargs`` as keyword arguments, and the dataset's ``input_shape``
+and ``num_classes`` where it takes them: by name where it has parameters so named (or two leading
+positional parameters without defaults, the built-ins' form), not at all otherwise, so that
+``--model torchvision.models:resnet18 --set model_kwargs.num_classes=10`` calls
+``resnet18(num_classes=10)``. A ``model_kwargs`` key the factory does not take is refused.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from collections.abc import Callable
@@ -105,18 +109,53 @@ BUILTIN_MODELS: dict[str, Callable[..., nn.Module]] = {
 
 
 def build_model(
-    name: str, input_shape: tuple[int, ...], num_classes: int, seed: int, **kwargs
+    name: str, input_shape: tuple[int, ...], num_classes: int, /, seed: int, **kwargs
 ) -> nn.Module:
-    """The model ``name`` with weights drawn from ``seed``: every wave builds the same one."""
+    """The model ``name`` with weights drawn from ``seed``: every wave builds the same one.
+    (The first three are positional-only, so that ``kwargs`` may hold a ``num_classes``.)"""
     factory = BUILTIN_MODELS.get(name) or import_callable(name, "model", BUILTIN_MODELS)
     # Module constructors draw from the global RNG: waves building their replicas in parallel
     # threads would interleave draws and get different weights from the same seed.
+    args, kwargs = factory_arguments(name, factory, tuple(input_shape), num_classes, kwargs)
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = factory(tuple(input_shape), num_classes, **kwargs)
+        model = factory(*args, **kwargs)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model factory {name!r} returned {type(model).__name__}, not nn.Module")
     return model
+
+
+def factory_arguments(
+    name: str, factory: Callable, input_shape: tuple[int, ...], num_classes: int, kwargs: dict
+) -> tuple[tuple, dict]:
+    """How to call a model factory (see the module's docstring); TypeError naming any
+    ``model_kwargs`` key it does not take."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read (a C function): the built-in form
+        return (input_shape, num_classes), kwargs
+    named = {n for n, p in params.items() if p.kind is not p.VAR_POSITIONAL}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in kwargs if k not in named and not takes_any]
+    if unknown:
+        raise TypeError(
+            f"model factory {name!r} takes no {', '.join(map(repr, unknown))}; it takes "
+            f"{', '.join(sorted(named)) or 'no arguments'}"
+        )
+    kwargs = dict(kwargs)
+    if "input_shape" in named or "num_classes" in named:
+        for key, value in (("input_shape", input_shape), ("num_classes", num_classes)):
+            if key in named:
+                kwargs.setdefault(key, value)
+        return (), kwargs
+    positional = [
+        p
+        for p in params.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    if len(positional) >= 2:  # (shape, classes, ...) under other names
+        return (input_shape, num_classes), kwargs
+    return (), kwargs
 
 
 def checkpoint_blocks(model: nn.Module) -> int:

@@ -23,8 +23,8 @@ import torch
 from wavelet.common.config import ConfigError, JobConfig
 from wavelet.common.job import build_dataset_and_model
 from wavelet.common.models import checkpoint_blocks
+from wavelet.common.step import load_step
 from wavelet.worker.memory import SavedActivationMeter
-from wavelet.worker.step import training_step
 
 _UNITS = {
     "": 1,
@@ -96,6 +96,7 @@ class ActivationProbe:
 
     def __init__(self, job: JobConfig, checkpointing: bool, device: str = "cpu"):
         self.dataset, self.model = build_dataset_and_model(job, device)
+        self.step = load_step(job.step)
         if checkpointing:
             checkpoint_blocks(self.model)
         self.device = device
@@ -112,18 +113,21 @@ class ActivationProbe:
         while len(x) < batch:  # a probe beyond the data: repeat it (only its size matters)
             x = torch.cat([x, self.dataset.train_x[: batch - len(x)]])
         x = x.to(self.device).clone()  # its own storage: a slice would count the whole dataset
-        y = torch.zeros(batch, dtype=torch.long, device=self.device)
+        y = self.dataset.train_y[: len(x)]  # the job's step may read the labels: real ones
+        while len(y) < batch:
+            y = torch.cat([y, self.dataset.train_y[: batch - len(y)]])
+        y = y.to(self.device).clone()
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            training_step(self.model, (x, y)).backward()
+            self.step(self.model, (x, y))[0].backward()
             self.model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - base
         meter = SavedActivationMeter(self.model.parameters())
         with meter.hooks():
-            loss = training_step(self.model, (x, y))
+            loss, _ = self.step(self.model, (x, y))
         del loss
         return meter.peak
 

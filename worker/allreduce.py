@@ -24,10 +24,10 @@ from wavelet.common.models import checkpoint_blocks
 from wavelet.common.protocol import wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
+from wavelet.common.step import load_step
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory
 from wavelet.worker.metrics import serve_worker_metrics
-from wavelet.worker.step import training_step
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class _Rank:
         )
         self.optimizer = job.optimizer.build(list(self.ddp.parameters()))
         self.meter = SavedActivationMeter(self.model.parameters())
+        self.training_step = load_step(job.step)
         self.trace_iters = job.memory_trace_iters
         self.eval_every = job.eval_every
         self.part = self.dataset.part(self.rank, world, job.seed)
@@ -148,7 +149,7 @@ class _Rank:
         self.meter.reset_peak()
         t0, t_start = time.perf_counter(), time.time()
         with self.meter.hooks():
-            loss = training_step(self.ddp, (x, y))
+            loss, logs = self.training_step(self.ddp, (x, y))
         t_end, t1 = time.time(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -177,6 +178,8 @@ class _Rank:
             "wire_bytes": self.wire_bytes,
             **device_memory(self.device),
         }
+        if logs:
+            record["step_logs"] = logs
         self.records.write(record)
         if self.metrics is not None:
             self.metrics.record(wave_name(f"w{self.rank}", 0), record)

@@ -22,6 +22,7 @@ from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import build_dataset
 from wavelet.common.machine import usable_cores
 from wavelet.common.models import build_model
+from wavelet.common.step import load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.connection import client_keys
 from wavelet.worker.heartbeat import Heartbeat
@@ -117,7 +118,7 @@ class WorkerDaemon:
         )
         part = dataset.part(0, 1, job.seed)
         x, y = next(iter(part.batches(min(job.batch_size, len(part.x)), 0, job.seed)))
-        return choose_threads(model, x, y, budget, job.waves)
+        return choose_threads(model, (x, y), budget, job.waves, load_step(job.step))
 
 
 def record_threads(cfg: WorkerConfig, choice: ThreadChoice) -> None:

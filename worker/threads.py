@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wavelet.worker.step import training_step
+from wavelet.common.step import TrainingStep
 
 log = logging.getLogger(__name__)
 
@@ -49,26 +49,26 @@ class ThreadChoice:
 
 
 def choose_threads(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, budget: int, waves: int
+    model: torch.nn.Module, batch, budget: int, waves: int, step: TrainingStep
 ) -> ThreadChoice:
     """Probe ``model`` on one batch and pick the layout for ``waves`` waves on ``budget`` cores."""
     narrow = max(1, budget // max(1, waves))
     if narrow == budget:
         return ThreadChoice(budget, "narrow")
-    narrow_s = _step_time(model, x, y, narrow)
-    wide_s = _step_time(model, x, y, budget)
+    narrow_s = _step_time(model, batch, narrow, step)
+    wide_s = _step_time(model, batch, budget, step)
     model.zero_grad(set_to_none=True)
     wide = narrow_s >= WIDE_GAIN * wide_s and narrow_s >= WIDE_MIN_STEP_S
     layout = "wide" if wide else "narrow"
     return ThreadChoice(budget if wide else narrow, layout, narrow_s, wide_s)
 
 
-def _step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, threads: int) -> float:
+def _step_time(model: torch.nn.Module, batch, threads: int, step: TrainingStep) -> float:
     torch.set_num_threads(threads)
     best = float("inf")
     for i in range(3):  # the first is a warm-up
         start = time.perf_counter()
-        training_step(model, (x, y)).backward()
+        step(model, batch)[0].backward()
         if i:
             best = min(best, time.perf_counter() - start)
     return best

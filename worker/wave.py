@@ -24,12 +24,12 @@ from wavelet.common.protocol import ShardError, wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.sharding import ShardingPlan, model_tensors
+from wavelet.common.step import load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import PSClient, StopRequested
 from wavelet.worker.connection import client_keys
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, device_memory
-from wavelet.worker.step import training_step
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class Wave:
         self.evaluate = evaluate
         self.metrics = metrics  # WorkerMetrics (worker/metrics.py), when they are served
         self.device = torch.device(config.device)
+        self.step = load_step(self.job.step)
         self.keys = client_keys(config)
         self.error: BaseException | None = None
         name = f"worker-{config.rank}-wave-{ident.local}"
@@ -238,8 +239,10 @@ class Wave:
             meter.reset_peak()
             rec["t_forward_start"] = time.time()
             with meter.hooks():
-                loss = training_step(model, batch)
+                loss, logs = self.step(model, batch)
             rec["t_forward_end"] = time.time()
+            if logs:
+                rec["step_logs"] = logs
             # Hand the baton over once backward has freed all but a fraction of this forward's
             # activations, so the next forward never stacks on a full set (docs/design.md).
             handoff = self.job.baton_handoff

@@ -1,0 +1,82 @@
+"""The step of training: ``step(model, batch) -> loss``, the one piece every mode and probe runs.
+
+Tick-tock waves, single and together waves, bulk-synchronous waves, all-reduce (with or without
+activation checkpointing), the worker's thread probe and the memory-budget probe all compute their
+loss with the job's step, as Lightning's ``training_step`` is the one place a model's loss is
+written. Backward, pushes and all-reduce stay with the caller.
+
+The job names its step (``step``): ``classification`` (the default: cross-entropy of the model's
+output against the labels) or a user's own function by import path, ``package.module:function``,
+called as ``function(model, batch)`` and returning the loss (a scalar tensor that requires grad)
+or ``(loss, {"name": float, ...})`` to log more with every step record. What it returns is checked
+every step; anything else stops the wave with one line naming the function and what it returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from wavelet.common.imports import import_callable
+
+Logs = dict[str, float]
+
+
+def classification_step(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Cross-entropy of ``model(x)`` against ``y`` for ``batch = (x, y)``."""
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+BUILTIN_STEPS: dict[str, Callable[..., Any]] = {"classification": classification_step}
+
+
+class StepError(ValueError):
+    """The job's step returned something that is not a loss."""
+
+
+class TrainingStep:
+    """The job's step, checked: ``step(model, batch) -> (loss, logs)``."""
+
+    def __init__(self, name: str = "classification"):
+        self.name = name
+        self.fn = BUILTIN_STEPS.get(name) or import_callable(name, "step", BUILTIN_STEPS)
+
+    def __call__(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, Logs]:
+        return self.check(self.fn(model, batch))
+
+    def check(self, out: Any) -> tuple[torch.Tensor, Logs]:
+        logs: Any = {}
+        if isinstance(out, tuple) and len(out) == 2:
+            out, logs = out
+        where = f"step {self.name}"
+        if not isinstance(out, torch.Tensor):
+            raise StepError(
+                f"{where} returned {type(out).__name__}, not a loss tensor: return the loss, or "
+                "(loss, {name: float})"
+            )
+        if out.numel() != 1:
+            raise StepError(
+                f"{where} returned a tensor of shape {tuple(out.shape)}, not a scalar loss: "
+                "reduce it (e.g. .mean())"
+            )
+        if not out.requires_grad:
+            raise StepError(
+                f"{where} returned a loss that does not require grad (computed under no_grad, "
+                "or detached): compute it from the model's output"
+            )
+        if not isinstance(logs, dict):
+            raise StepError(f"{where} returned {type(logs).__name__} as its logs, not a dict")
+        try:
+            logs = {str(k): float(v) for k, v in logs.items()}
+        except (TypeError, ValueError) as e:
+            raise StepError(f"{where} logged a value that is not a number: {e}") from None
+        return out.reshape(()), logs
+
+
+def load_step(name: str) -> TrainingStep:
+    """The job's step; ValueError naming the problem if it cannot be imported."""
+    return TrainingStep(name)

@@ -1,0 +1,99 @@
+"""A user's own step of training (``--step package.module:function``): it trains in every mode,
+its logs reach the records, and a step that returns no loss ends the job with one line naming
+it (before start, exit 2, when it cannot even be imported)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_wavelet
+from helpers import tiny_model
+
+from wavelet.common.step import StepError, TrainingStep
+
+STEPS = """
+import torch.nn.functional as F
+
+
+def smooth(model, batch):
+    x, y = batch
+    out = model(x)
+    acc = (out.argmax(1) == y).float().mean().item()
+    return F.cross_entropy(out, y, label_smoothing=0.1), {"batch_acc": acc}
+
+
+def per_sample(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="none")
+"""
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A user's project folder with their steps module (importable from there, as `-m` adds the
+    working directory to the path of the launcher and of every daemon it starts)."""
+    (tmp_path / "mysteps.py").write_text(STEPS)
+    return tmp_path
+
+
+def _step_logs(run_dir: Path) -> list[dict]:
+    logs = []
+    for path in (run_dir / "records").glob("worker-*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r["kind"] == "step":
+                logs.append(r.get("step_logs"))
+    return logs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["ps", "allreduce"])
+def test_a_users_step_trains_and_logs(project, mode):
+    done = run_wavelet(
+        "launch", "--mode", mode, "--step", "mysteps:smooth", "--epochs", "2",
+        "--run-dir", "run", timeout=220, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((project / "run" / "summary.json").read_text())
+    assert summary["test_accuracy"] > 0.5, summary
+    logs = _step_logs(project / "run")
+    assert logs and all(0.0 <= entry["batch_acc"] <= 1.0 for entry in logs)
+
+
+@pytest.mark.timeout(180)
+def test_a_step_that_returns_no_loss_stops_the_job_with_one_line(project):
+    done = run_wavelet(
+        "launch", "--step", "mysteps:per_sample", "--epochs", "1", "--run-dir", "run",
+        timeout=170, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "step mysteps:per_sample returned a tensor of shape (32,), not a scalar" in done.stderr
+
+
+def test_a_step_that_cannot_be_imported_is_refused_before_start(project):
+    done = run_wavelet("launch", "--step", "mysteps:missing", "--run-dir", "run", timeout=60,
+                       cwd=project)  # fmt: skip
+    assert done.returncode == 2
+    assert "cannot load the job's step" in done.stderr and "missing" in done.stderr
+    assert not (project / "run" / "records").exists()
+
+
+def test_what_a_step_returns_is_checked():
+    model = tiny_model()
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    step = TrainingStep("classification")
+    loss, logs = step(model, (x, y))
+    assert loss.shape == () and loss.requires_grad and logs == {}
+    bad = [
+        (1.5, "returned float, not a loss tensor"),
+        (torch.ones(3, requires_grad=True), "shape (3,), not a scalar"),
+        (torch.tensor(1.0), "does not require grad"),
+        ((torch.ones((), requires_grad=True), [1]), "returned list as its logs"),
+        ((torch.ones((), requires_grad=True), {"x": "high"}), "not a number"),
+    ]
+    for out, message in bad:
+        with pytest.raises(StepError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            step.check(out)
+    loss, logs = step.check((torch.ones(1, requires_grad=True), {"acc": torch.tensor(0.5)}))
+    assert loss.shape == () and logs == {"acc": 0.5}
