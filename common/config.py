@@ -132,6 +132,7 @@ MODES = ("ps", "allreduce")
 STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
 UPDATES = ("async", "wave-groups")  # how a shard turns pushes into updates (ps/synchronous.py)
 UPDATE_LRS = ("full", "by-samples")  # the step size of one update (docs/tuning.md)
+PRECISIONS = ("fp32", "bf16")  # of the forward (torch.autocast); parameters stay fp32
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
 # Help texts that more than one config class shows: written once.
@@ -211,6 +212,12 @@ class JobConfig:
         "package.module:function taking (model, batch) and returning the loss or (loss, "
         "{name: float})",
     )
+    precision: str = setting(
+        "fp32",
+        help="the forward's precision: fp32, or bf16 under torch.autocast (parameters, "
+        "gradients and the shards' weights stay fp32)",
+        choices=PRECISIONS,
+    )
     batch_size: int = setting(32, help="samples per step, per wave")
     epochs: int = setting(15, help="passes over each wave's part of the data")
     max_seconds: float = setting(0.0, help="wall-clock budget per wave; 0: epochs alone decide")
@@ -229,8 +236,9 @@ class JobConfig:
     lr_schedule: str = setting(
         "cosine", help="learning-rate schedule over the job's budget", choices=LR_SCHEDULES
     )
+    # scale: measured first to the target at equal memory (docs/tuning.md, "Update rules")
     stale_policy: str = setting(
-        "apply",
+        "scale",
         help="what shards do with a stale gradient (see ps/policy.py)",
         choices=STALE_POLICIES,
     )

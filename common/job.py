@@ -28,7 +28,7 @@ def check_job(job: JobConfig, total_waves: int) -> None:
     except (ValueError, TypeError, ImportError) as e:
         raise ConfigError(f"cannot build the job's model or dataset: {e}") from None
     try:
-        load_step(job.step)
+        load_step(job.step, job.precision)
     except ValueError as e:
         raise ConfigError(f"cannot load the job's step: {e}") from None
     per_wave = len(dataset.train_x) // total_waves

@@ -39,14 +39,21 @@ class StepError(ValueError):
 
 
 class TrainingStep:
-    """The job's step, checked: ``step(model, batch) -> (loss, logs)``."""
+    """The job's step, checked: ``step(model, batch) -> (loss, logs)``; with ``precision`` bf16
+    it runs under ``torch.autocast`` on the model's device (the loss is returned as fp32)."""
 
-    def __init__(self, name: str = "classification"):
+    def __init__(self, name: str = "classification", precision: str = "fp32"):
         self.name = name
+        self.precision = precision
         self.fn = BUILTIN_STEPS.get(name) or import_callable(name, "step", BUILTIN_STEPS)
 
     def __call__(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, Logs]:
-        return self.check(self.fn(model, batch))
+        if self.precision == "fp32":
+            return self.check(self.fn(model, batch))
+        device = next(model.parameters()).device.type
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss, logs = self.check(self.fn(model, batch))
+        return loss.float(), logs
 
     def check(self, out: Any) -> tuple[torch.Tensor, Logs]:
         logs: Any = {}
@@ -77,6 +84,6 @@ class TrainingStep:
         return out.reshape(()), logs
 
 
-def load_step(name: str) -> TrainingStep:
+def load_step(name: str, precision: str = "fp32") -> TrainingStep:
     """The job's step; ValueError naming the problem if it cannot be imported."""
-    return TrainingStep(name)
+    return TrainingStep(name, precision)

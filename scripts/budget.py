@@ -96,7 +96,7 @@ class ActivationProbe:
 
     def __init__(self, job: JobConfig, checkpointing: bool, device: str = "cpu"):
         self.dataset, self.model = build_dataset_and_model(job, device)
-        self.step = load_step(job.step)
+        self.step = load_step(job.step, job.precision)
         if checkpointing:
             checkpoint_blocks(self.model)
         self.device = device

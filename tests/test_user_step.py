@@ -97,3 +97,36 @@ def test_what_a_step_returns_is_checked():
             step.check(out)
     loss, logs = step.check((torch.ones(1, requires_grad=True), {"acc": torch.tensor(0.5)}))
     assert loss.shape == () and logs == {"acc": 0.5}
+
+
+def test_bf16_runs_the_forward_under_autocast_and_keeps_fp32_parameters():
+    model = tiny_model()
+    seen = []
+    model.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    loss, _ = TrainingStep("classification", "bf16")(model, (x, y))
+    assert seen == [torch.bfloat16] and loss.dtype == torch.float32
+    loss.backward()
+    assert all(
+        p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters()
+    )
+    fp32 = TrainingStep("classification")(tiny_model(), (x, y))[0]
+    assert abs(float(loss) - float(fp32)) < 0.05  # the same loss, rounded
+
+
+@pytest.mark.timeout(180)
+def test_a_bf16_job_trains_and_says_so(tmp_path):
+    done = run_wavelet(
+        "launch", "--precision", "bf16", "--epochs", "3", "--run-dir", str(tmp_path / "run"),
+        timeout=170,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["test_accuracy"] > 0.8, summary
+    starts = [
+        json.loads(line)
+        for path in (tmp_path / "run" / "records").glob("worker-*.jsonl")
+        for line in path.read_text().splitlines()
+        if '"kind": "start"' in line
+    ]
+    assert starts and all(r["precision"] == "bf16" for r in starts)

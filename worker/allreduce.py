@@ -120,7 +120,7 @@ class _Rank:
         )
         self.optimizer = job.optimizer.build(list(self.ddp.parameters()))
         self.meter = SavedActivationMeter(self.model.parameters())
-        self.training_step = load_step(job.step)
+        self.training_step = load_step(job.step, job.precision)
         self.trace_iters = job.memory_trace_iters
         self.eval_every = job.eval_every
         self.part = self.dataset.part(self.rank, world, job.seed)
@@ -139,6 +139,7 @@ class _Rank:
                 "device_index": cfg.device_index,
                 "rank": self.rank,
                 "world_size": world,
+                "precision": job.precision,
             }
         )
 

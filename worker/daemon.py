@@ -118,7 +118,7 @@ class WorkerDaemon:
         )
         part = dataset.part(0, 1, job.seed)
         x, y = next(iter(part.batches(min(job.batch_size, len(part.x)), 0, job.seed)))
-        return choose_threads(model, (x, y), budget, job.waves, load_step(job.step))
+        return choose_threads(model, (x, y), budget, job.waves, load_step(job.step, job.precision))
 
 
 def record_threads(cfg: WorkerConfig, choice: ThreadChoice) -> None:

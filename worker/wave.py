@@ -68,7 +68,7 @@ class Wave:
         self.evaluate = evaluate
         self.metrics = metrics  # WorkerMetrics (worker/metrics.py), when they are served
         self.device = torch.device(config.device)
-        self.step = load_step(self.job.step)
+        self.step = load_step(self.job.step, self.job.precision)
         self.keys = client_keys(config)
         self.error: BaseException | None = None
         name = f"worker-{config.rank}-wave-{ident.local}"
@@ -161,6 +161,7 @@ class Wave:
                 "device": str(self.device),
                 "device_index": self.config.device_index,
                 "tcp_reasons": client.tcp_reasons,  # shards reached over TCP on this host, why
+                "precision": job.precision,
             }
         )
         started = time.monotonic()
