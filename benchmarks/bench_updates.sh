@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Time to accuracy of the PS update rules against all-reduce, at equal memory (the README's
 # "Time to accuracy" table): the narrow ResNet to 60% at a budget of 1.3x one wave's peak, for
-# each seed and device count. Variants of the PS modes: plain; momentum corrected for asynchrony;
-# the staleness-aware step size (stale_policy = scale); both. At a memory budget the lr already follows
+# each seed and device count. Variants of the PS modes: plain (stale_policy = apply, the default
+# before this benchmark); momentum corrected for asynchrony; the staleness-aware step size
+# (stale_policy = scale, the default since); both. At a memory budget the lr already follows
 # the samples per update (linear), so update_lr = by-samples changes nothing here and is not run.
 # Reports land in $OUT/<devices>-seed<S>-<variant>/report.md; the summary table is printed at the
 # end (benchmarks/summarize_updates.py). About 10 minutes per seed and device count on 2 cores;
@@ -20,8 +21,10 @@ for devices in $DEVICES; do
     for seed in $SEEDS; do
         for variant in $VARIANTS; do
             case $variant in
-                plain) extra=(--modes ticktock-async,ticktock-groups,allreduce,allreduce2) ;;
-                momentum) extra=(--modes ticktock-async,ticktock-groups --set momentum_correction=true) ;;
+                plain) extra=(--modes ticktock-async,ticktock-groups,allreduce,allreduce2
+                    --stale-policy apply) ;;
+                momentum) extra=(--modes ticktock-async,ticktock-groups --stale-policy apply
+                    --set momentum_correction=true) ;;
                 scale) extra=(--modes ticktock-async --stale-policy scale) ;;
                 scale-momentum) extra=(--modes ticktock-async --stale-policy scale
                     --set momentum_correction=true) ;;

@@ -50,11 +50,9 @@ from wavelet.ps.datapath import Outgoing, ShardDataPath
 from wavelet.ps.membership import Membership
 from wavelet.ps.owners import Peer
 from wavelet.ps.parked import ParkedPull, ParkedPulls
-from wavelet.ps.policy import make_policy
 from wavelet.ps.shard import Shard
-from wavelet.ps.staleness import StalenessBound, WaveId
-from wavelet.ps.synchronous import SyncGroups
-from wavelet.ps.update_rules import shard_optimizer, update_lr_factor
+from wavelet.ps.staleness import WaveId
+from wavelet.ps.update_rules import Updates, shard_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +73,6 @@ class ShardService:
     ):
         self.config = config
         job = config.job
-        # one update per push (async), per clock of all waves (s = 0) or of each wave group
-        self.synchronous = job.staleness == 0 or job.updates == "wave-groups"
-        self.sync = SyncGroups(by_wave_index=job.updates == "wave-groups")
         self.shard = Shard(shard_optimizer(job, config.expect_waves), weights_in_use)
         self.members = Membership(config.wave_limit)
         self.clocks, self.owners, self.stats = (
@@ -85,8 +80,7 @@ class ShardService:
             self.members.owners,
             self.members.stats,
         )
-        self.bound = StalenessBound(job.staleness)
-        self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
+        self.updates = Updates(job, config.expect_waves, self.shard, self.clocks)
         self.parked = ParkedPulls(config.max_parked)
         self.rejected = 0
         self.rejected_by_code: Counter[str] = Counter()
@@ -175,7 +169,7 @@ class ShardService:
         that may now read, checkpoint when due. Guarded like a request: a failure here is
         logged and answered, never the end of the shard."""
         try:
-            self._apply_sum_if_complete()
+            self.updates.complete()
             out = self.parked.release(self._may_read, self._serve_parked)
         except Exception:
             log.error("internal error releasing parked pulls:\n%s", traceback.format_exc())
@@ -257,7 +251,7 @@ class ShardService:
         reply = StatsReply(
             version=self.shard.version,
             shard=self.config.shard_index,
-            staleness_bound=str(self.bound.s),
+            staleness_bound=str(self.updates.bound.s),
             parked_now=len(self.parked),
             rejected=self.rejected,
             checkpoint_failures=self.checkpoints.failures,
@@ -288,7 +282,9 @@ class ShardService:
         tensors = self.datapath.gradients(wave, body.shm, tensors)
         self.shard.check_push(h.keys, tensors)  # frames or a segment: validated alike
         tau = self.shard.version - h.read_version
-        action, lr_scale = self._apply(wave, clock, tau, tensors, body.lr_scale)
+        action, lr_scale = self.updates.push(
+            wave, clock, tau, tensors, body.lr_scale, self.stats[wave]
+        )
         self.clocks.advance(wave)
         self.stats[wave].record_push(tau)
         self.checkpoints.log_push(
@@ -301,9 +297,9 @@ class ShardService:
             staleness=tau,
             action=action,
             lr_scale=lr_scale,
-            policy=self.policy.name,
+            policy=self.updates.policy.name,
         )
-        self._apply_sum_if_complete()
+        self.updates.complete()
         return wave, action
 
     def _check_push_order(self, wave: WaveId, clock: int, h: Header) -> None:
@@ -326,38 +322,7 @@ class ShardService:
             raise ProtocolError(
                 ErrorCode.NOT_REGISTERED, f"wave {wave_name(*wave)} left; register again to push"
             )
-        if self.synchronous:
-            self.sync.check_push(wave, clock)
-
-    def _apply(
-        self, wave: WaveId, clock: int, tau: int, tensors: list[torch.Tensor], lr_scale: float
-    ) -> tuple[str, float]:
-        """Apply a validated push now (asynchronous: as the policy decides) or add it to the
-        open bulk-synchronous sum; returns what was done and the learning-rate factor used."""
-        grads = self.shard.gradients(tensors)
-        self.shard.store_buffers(wave, tensors)
-        if self.synchronous:
-            # The gradients of one clock of a group read the same version: average them.
-            self.sync.add(wave, clock, grads, lr_scale)
-            return "accumulated", lr_scale
-        decision = self.policy.decide(wave, tau, grads, self.shard.params)
-        if decision.grads is None:
-            self.stats[wave].dropped += 1
-        else:
-            lr_scale *= decision.lr_scale * self._lr_factor(1)
-            self.shard.apply(decision.grads, lr_scale)
-        return decision.action, lr_scale
-
-    def _lr_factor(self, gradients: int) -> float:
-        """The job's update_lr rule for an update averaging ``gradients`` waves' pushes."""
-        waves = self.config.expect_waves or len(self.clocks.live)
-        return update_lr_factor(self.config.job.update_lr, gradients, waves)
-
-    def _apply_sum_if_complete(self) -> None:
-        """Synchronous updates: apply each group's mean once every live wave of the group has
-        pushed its open clock (the pulls this unblocks are released by the caller)."""
-        for grads, lr_scale, count in self.sync.complete(self.clocks):
-            self.shard.apply(grads, lr_scale * self._lr_factor(count))
+        self.updates.check_push(wave, clock)
 
     def _pull_or_park(
         self,
@@ -379,11 +344,7 @@ class ShardService:
             return False
         if len(self.clocks.clocks) < self.config.expect_waves:
             return False  # start barrier: wait for the whole job to register
-        if self.synchronous and self.sync.holds_back(wave, clock):
-            return False
-        if self.sync.by_wave_index:  # wave groups: the turn order is the bound
-            return self.sync.in_turn(wave, clock, self.clocks)
-        return self.bound.may_read(clock, self.clocks)
+        return self.updates.may_read(wave, clock)
 
     def _serve_parked(self, p: ParkedPull, waited: float) -> Outgoing:
         self.stats[p.wave].parked_s += waited
@@ -413,8 +374,7 @@ class ShardService:
         )
         if wave is not None:
             self.stats[wave].record_read(clock, self.shard.version)
-            if not self.synchronous:
-                self.policy.on_read(wave, self.shard.params)
+            self.updates.on_read(wave)
         header = reply_header(request_id, body)
         header.keys = self.shard.keys
         peer = peer.identity if isinstance(peer, Peer) else peer
@@ -426,7 +386,7 @@ class ShardService:
         """``wave`` leaves the membership: free what the shard kept for it (segments, DC-ASGD
         copy, buffer values) and answer its parked pulls; returns those answers."""
         self.members.leave(wave)
-        self.policy.forget(wave)
+        self.updates.forget(wave)
         self.shard.forget_wave(wave)
         self.datapath.detach(wave)
         return self.parked.answer(lambda p: p.wave == wave, ErrorCode.NOT_REGISTERED, why)

@@ -1,5 +1,10 @@
-"""How big a step one update takes: learning-rate and momentum rules that do not change with the
-number of waves (docs/tuning.md, "Step size per update").
+"""How a shard turns pushes into updates, and how big a step each update takes.
+
+``Updates`` owns the choice: every push applied on arrival as the stale policy decides
+(``ps/policy.py``) within the staleness bound, or the pushes of one clock averaged per group
+(``ps/synchronous.py``: all waves under s = 0, or the tick and tock wave groups), and when a wave
+may read. The step size follows rules that do not change with the number of waves
+(docs/tuning.md, "Update rules"):
 
 All-reduce takes one optimizer step with the job's lr per job-wide batch (every wave's samples).
 A shard that applies every push of a wave's batch at that lr takes (number of waves) such steps
@@ -16,7 +21,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
+
 from wavelet.common.config import JobConfig, OptimizerConfig
+from wavelet.ps.policy import make_policy
+from wavelet.ps.shard import Shard
+from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats
+from wavelet.ps.synchronous import SyncGroups
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +71,73 @@ def shard_optimizer(job: JobConfig, expect_waves: int) -> OptimizerConfig:
         mu,
     )
     return dataclasses.replace(opt, kwargs={**opt.kwargs, "momentum": mu})
+
+
+class Updates:
+    """The update rule of one shard: applies what pushes carry to ``shard``."""
+
+    def __init__(self, job: JobConfig, expect_waves: int, shard: Shard, clocks: ClockTable):
+        self.shard, self.clocks = shard, clocks
+        self.expect_waves = expect_waves
+        self.update_lr = job.update_lr
+        self.bound = StalenessBound(job.staleness)
+        self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
+        # one update per push (async), per clock of all waves (s = 0) or of each wave group
+        self.synchronous = job.staleness == 0 or job.updates == "wave-groups"
+        self.sync = SyncGroups(by_wave_index=job.updates == "wave-groups")
+
+    def check_push(self, wave: WaveId, clock: int) -> None:
+        """Refuse a push out of the synchronous order (before anything changes)."""
+        if self.synchronous:
+            self.sync.check_push(wave, clock)
+
+    def push(
+        self,
+        wave: WaveId,
+        clock: int,
+        tau: int,
+        tensors: list[torch.Tensor],
+        lr_scale: float,
+        stats: WaveStats,
+    ) -> tuple[str, float]:
+        """Apply a validated push now (asynchronous: as the policy decides) or add it to its
+        group's open sum; returns what was done and the learning-rate factor used."""
+        grads = self.shard.gradients(tensors)
+        self.shard.store_buffers(wave, tensors)
+        if self.synchronous:
+            # The gradients of one clock of a group read the same version: average them.
+            self.sync.add(wave, clock, grads, lr_scale)
+            return "accumulated", lr_scale
+        decision = self.policy.decide(wave, tau, grads, self.shard.params)
+        if decision.grads is None:
+            stats.dropped += 1
+        else:
+            lr_scale *= decision.lr_scale * self._lr_factor(1)
+            self.shard.apply(decision.grads, lr_scale)
+        return decision.action, lr_scale
+
+    def complete(self) -> None:
+        """Synchronous updates: apply each group's mean once every live wave of the group has
+        pushed its open clock."""
+        for grads, lr_scale, count in self.sync.complete(self.clocks):
+            self.shard.apply(grads, lr_scale * self._lr_factor(count))
+
+    def may_read(self, wave: WaveId, clock: int) -> bool:
+        """Whether ``wave`` may read the weights for ``clock`` now (after the start barrier)."""
+        if self.synchronous and self.sync.holds_back(wave, clock):
+            return False
+        if self.sync.by_wave_index:  # wave groups: the turn order is the bound
+            return self.sync.in_turn(wave, clock, self.clocks)
+        return self.bound.may_read(clock, self.clocks)
+
+    def on_read(self, wave: WaveId) -> None:
+        if not self.synchronous:
+            self.policy.on_read(wave, self.shard.params)
+
+    def forget(self, wave: WaveId) -> None:
+        self.policy.forget(wave)
+
+    def _lr_factor(self, gradients: int) -> float:
+        """The job's update_lr rule for an update averaging ``gradients`` waves' pushes."""
+        waves = self.expect_waves or len(self.clocks.live)
+        return update_lr_factor(self.update_lr, gradients, waves)

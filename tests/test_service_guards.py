@@ -143,12 +143,12 @@ def test_a_wave_dropped_for_silence_leaves_nothing_behind(tmp_path):
         assert wave.request(Op.PULL, clock=0).op == "reply"
         wave.push(0, 0)
         wave_id = ("w0", 0)
-        assert wave_id in service.policy.read and service.datapath.segments.get(wave_id) is not None
+        assert wave_id in service.updates.policy.read and service.datapath.segments.get(wave_id) is not None
         files = len(list(SHM_DIR.glob(service.datapath.segments.prefix + "*")))
         assert files == 2
         service.tick(now=time.monotonic() + 5)
         assert wave_id not in service.clocks.live
-        assert wave_id not in service.policy.read  # its DC-ASGD weight copy
+        assert wave_id not in service.updates.policy.read  # its DC-ASGD weight copy
         assert service.datapath.segments.get(wave_id) is None
         assert not list(SHM_DIR.glob(service.datapath.segments.prefix + "*"))
         assert wave_id not in service.shard.wave_buffers
