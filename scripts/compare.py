@@ -119,7 +119,8 @@ MODES: dict[str, Mode] = {
         allreduce=True,
     ),
 }
-DEFAULT_MODES = [m for m in MODES if m != "allreduce-ckpt"]  # that one is for memory budgets
+# allreduce-ckpt is for memory budgets; ticktock-async is ticktock while async is the default
+DEFAULT_MODES = [m for m in MODES if m not in ("allreduce-ckpt", "ticktock-async")]
 # At a memory budget: the choices of a user whose model does not fit (docs/design.md)
 BUDGET_MODES = ["ticktock", "single", "together", "allreduce", "allreduce2", "allreduce-ckpt"]
 
