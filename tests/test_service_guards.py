@@ -143,7 +143,10 @@ def test_a_wave_dropped_for_silence_leaves_nothing_behind(tmp_path):
         assert wave.request(Op.PULL, clock=0).op == "reply"
         wave.push(0, 0)
         wave_id = ("w0", 0)
-        assert wave_id in service.updates.policy.read and service.datapath.segments.get(wave_id) is not None
+        assert (
+            wave_id in service.updates.policy.read
+            and service.datapath.segments.get(wave_id) is not None
+        )
         files = len(list(SHM_DIR.glob(service.datapath.segments.prefix + "*")))
         assert files == 2
         service.tick(now=time.monotonic() + 5)

@@ -51,7 +51,7 @@ def _step_logs(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("mode", ["ps", "allreduce"])
 def test_a_users_step_trains_and_logs(project, mode):
     done = run_wavelet(
-        "launch", "--mode", mode, "--step", "mysteps:smooth", "--epochs", "2",
+        "launch", "--mode", mode, "--step", "mysteps:smooth", "--epochs", "1",
         "--run-dir", "run", timeout=220, cwd=project,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -117,7 +117,7 @@ def test_bf16_runs_the_forward_under_autocast_and_keeps_fp32_parameters():
 @pytest.mark.timeout(180)
 def test_a_bf16_job_trains_and_says_so(tmp_path):
     done = run_wavelet(
-        "launch", "--precision", "bf16", "--epochs", "3", "--run-dir", str(tmp_path / "run"),
+        "launch", "--precision", "bf16", "--epochs", "2", "--run-dir", str(tmp_path / "run"),
         timeout=170,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
