@@ -27,7 +27,7 @@ def shard(shard_daemons):
 
 def _push(c, **over) -> tuple[Header, list[torch.Tensor]]:
     chunks = c.chunks[0]
-    h = push_header(c.plan.fingerprint, chunks, **over)
+    h = push_header(over.pop("plan", c.plan.fingerprint), chunks, **over)
     return h, [torch.full((ch.numel,), 0.5) for ch in chunks]
 
 

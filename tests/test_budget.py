@@ -101,7 +101,7 @@ def test_a_tiny_equal_memory_compare_writes_a_complete_report(tmp_path):
         "--epochs",
         "1",
         "--target-acc",
-        "0.5",
+        "0.3",  # one epoch ends near 50%: a target every mode passes, so the line is there
         "--modes",
         "ticktock,allreduce,allreduce-ckpt",
         "--out",
@@ -112,7 +112,7 @@ def test_a_tiny_equal_memory_compare_writes_a_complete_report(tmp_path):
     report = (out / "report.md").read_text()
     lines = report.splitlines()
     assert lines[2].startswith("Throughput at 1.3x one wave's peak")
-    assert any(line.startswith("Time to 50%") for line in lines[:6])
+    assert any(line.startswith("Time to 30%") for line in lines[:6])
     assert "Tick-tock against the best all-reduce variant" in report
     assert "Why: `" in report
     rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
