@@ -37,7 +37,7 @@ from wavelet.common.config import (
     load_toml,
     parse_override,
 )
-from wavelet.scripts.signals import on_signals
+from wavelet.scripts.signals import interrupt_on_sigint, on_signals
 
 log = logging.getLogger(__name__)
 
@@ -635,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     # A user's model or dataset module in the working directory imports, as with python -m.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    interrupt_on_sigint()  # daemons replace it with their clean stop (on_signals)
     try:
         return args.run(args)
     except ConfigError as e:

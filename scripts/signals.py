@@ -1,5 +1,5 @@
 """SIGINT and SIGTERM become a daemon's clean stop (its ``stop`` callable), for every command
-that runs one (``wavelet ps``, ``worker``, ``run``)."""
+that runs one (``wavelet ps``, ``worker``, ``run``); SIGINT interrupts the launcher."""
 
 from __future__ import annotations
 
@@ -17,3 +17,10 @@ def on_signals(stop: Callable[[], None]) -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+
+def interrupt_on_sigint() -> None:
+    """SIGINT raises KeyboardInterrupt (the launcher then tears its job down), even in a process
+    started with SIGINT ignored, as a shell script's background jobs are: Python installs its
+    handler only where SIGINT was not ignored at start, and the daemons already stop on it."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)

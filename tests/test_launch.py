@@ -64,11 +64,16 @@ def test_default_job_reaches_the_accuracy_bar(tmp_path):
     _assert_nothing_left(run_dir)
 
 
-def _start_launcher(tmp_path, *extra):
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_launcher(tmp_path, *extra, ignore_sigint=False):
     run_dir = tmp_path / "run"
     cm = started(
         wavelet_cmd("launch", "--run-dir", str(run_dir), "--epochs", "200", *extra),
         tmp_path / "launch.log",
+        **({"preexec_fn": _ignore_sigint} if ignore_sigint else {}),
     )
     proc = cm.__enter__()
     step_file = run_dir / "records" / "worker-0-wave-1.jsonl"
@@ -80,7 +85,8 @@ def _start_launcher(tmp_path, *extra):
 
 @pytest.mark.timeout(180)
 def test_ctrl_c_tears_the_job_down(tmp_path):
-    cm, proc, run_dir = _start_launcher(tmp_path)
+    # started with SIGINT ignored, as a script's background job is: Ctrl-C must still work
+    cm, proc, run_dir = _start_launcher(tmp_path, ignore_sigint=True)
     try:
         assert len(_processes_mentioning(str(run_dir))) >= 4  # launcher, 2 shards, worker
         proc.send_signal(signal.SIGINT)
