@@ -136,6 +136,9 @@ PRECISIONS = ("fp32", "bf16")  # of the forward (torch.autocast); parameters sta
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
 # Help texts that more than one config class shows: written once.
+# the launchers' settings for their shards (LaunchConfig, RunConfig)
+SHARDS_CHECKPOINT_EVERY_HELP = "shards checkpoint every N updates (0: only when they stop)"
+SHARDS_CHECKPOINT_EVERY_S_HELP = "shards checkpoint every S seconds (0: only when they stop)"
 TRANSPORT_HELP = (
     "how tensors move to shards: shm (shared memory, same host), tcp (ZeroMQ frames), "
     "or auto (shm where a shard offers it and its segments open, else tcp)"
@@ -520,12 +523,8 @@ class LaunchConfig:
         "traffic with them",
     )
     insecure: bool = setting(False, help="allow a non-loopback --host without --curve")
-    checkpoint_every: int = setting(
-        0, help="shards checkpoint every N updates (0: only when they stop)"
-    )
-    checkpoint_every_s: float = setting(
-        0.0, help="shards checkpoint every S seconds (0: only when they stop)"
-    )
+    checkpoint_every: int = setting(0, help=SHARDS_CHECKPOINT_EVERY_HELP)
+    checkpoint_every_s: float = setting(0.0, help=SHARDS_CHECKPOINT_EVERY_S_HELP)
     resume: bool = setting(False, help="run_dir holds a stopped job: restart it", flag="")
     mode: str = setting(
         "ps",
@@ -602,12 +601,8 @@ class RunConfig:
         help="CURVE keys every node can read (wavelet keys --job DIR): encrypt and authenticate "
         "all of the job's PS traffic",
     )
-    checkpoint_every: int = setting(
-        0, help="shards checkpoint every N updates (0: only when they stop)"
-    )
-    checkpoint_every_s: float = setting(
-        0.0, help="shards checkpoint every S seconds (0: only when they stop)"
-    )
+    checkpoint_every: int = setting(0, help=SHARDS_CHECKPOINT_EVERY_HELP)
+    checkpoint_every_s: float = setting(0.0, help=SHARDS_CHECKPOINT_EVERY_S_HELP)
     insecure: bool = setting(False, help="allow shards on a non-loopback address without CURVE")
     transport: str = setting("auto", help=TRANSPORT_HELP, choices=TRANSPORTS)
 

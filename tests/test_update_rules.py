@@ -89,7 +89,6 @@ def test_wave_groups_alternate_and_every_update_is_one_step_stale(tmp_path):
             # other group applied between its read and its push
             expected = {0: 1, 1: 5} if key[1] == 0 else {1: 6}
             assert dict(st.staleness) == expected, (key, st.staleness)
-
     finally:
         service.close()
 
