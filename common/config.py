@@ -132,7 +132,9 @@ MODES = ("ps", "allreduce")
 STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
 UPDATES = ("async", "wave-groups")  # how a shard turns pushes into updates (ps/synchronous.py)
 UPDATE_LRS = ("full", "by-samples")  # the step size of one update (docs/tuning.md)
-PRECISIONS = ("fp32", "bf16")  # of the forward (torch.autocast); parameters stay fp32
+PRECISIONS = ("fp32", "bf16", "fp16")  # of the forward (torch.autocast); parameters stay fp32
+# dtype of gradients and weights between waves and shards; shards keep fp32 master weights
+WIRE_DTYPES = ("fp32", "bf16", "fp16")
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
 # Help texts that more than one config class shows: written once.
@@ -217,9 +219,20 @@ class JobConfig:
     )
     precision: str = setting(
         "fp32",
-        help="the forward's precision: fp32, or bf16 under torch.autocast (parameters, "
-        "gradients and the shards' weights stay fp32)",
+        help="the forward's precision: fp32, or bf16 or fp16 under torch.autocast (parameters "
+        "and gradients stay fp32; fp16 scales the loss per wave and skips overflowing steps)",
         choices=PRECISIONS,
+    )
+    wire_dtype: str = setting(
+        "fp32",
+        help="dtype of gradients and weights between waves and shards (fp32, bf16, fp16); the "
+        "shards keep fp32 master weights and optimizer state; all-reduce compresses the same way",
+        choices=WIRE_DTYPES,
+    )
+    wire_error_feedback: bool = setting(
+        False,
+        help="16-bit wire: each wave keeps the rounding residual of its gradients and adds it "
+        "to its next push",
     )
     batch_size: int = setting(32, help="samples per step, per wave")
     epochs: int = setting(15, help="passes over each wave's part of the data")

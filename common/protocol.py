@@ -307,11 +307,13 @@ class RegisterRequest(Body):
 @dataclass(frozen=True)
 class InitRequest(Body):
     trainable: list[bool]  # one flag per key: trained by the optimizer, or a buffer
+    wire: list[str] = field(default_factory=list)  # per key, the dtype it travels in
 
 
 @dataclass(frozen=True)
 class PullRequest(Body):
     observer: bool = False  # evaluation and tools: read the current weights, never park
+    master: bool = False  # observers: the master weights in full precision, not the wire copy
     shm: bool = False  # answer through the wave's pull segment, not tensor frames
 
 

@@ -4,6 +4,10 @@ Tensors are flattened and cut into chunks of at most ``chunk_bytes``; chunks are
 greedily, largest first, each to the shard holding the fewest bytes so far. The plan depends only
 on the model's tensors (names, dtypes, sizes, order), the shard count and the chunk size, so every
 process computes the same plan, and its fingerprint lets a shard refuse a push from another plan.
+
+A plan also says in which dtype each chunk travels (``wire``): the job's wire dtype for float32
+chunks, its own dtype for every other. The wire dtype is part of the fingerprint, so a wave of a
+bf16 job and a shard seeded by an fp32 one refuse each other at once.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from wavelet.common.protocol import TensorDesc, dtype_name
+
+# the job's ``wire_dtype`` setting -> the dtype name chunks travel in
+WIRE_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -27,14 +34,25 @@ class Chunk:
     dtype: str
     trainable: bool  # parameters are trained by gradients; buffers (BatchNorm stats) are state
     shard: int
+    wire: str  # the dtype gradients and weights of this chunk travel in
 
     @property
     def desc(self) -> TensorDesc:
+        """The chunk as the model and the shard's master copy hold it."""
         return TensorDesc(self.dtype, (self.numel,))
+
+    @property
+    def wire_desc(self) -> TensorDesc:
+        """The chunk as it travels between wave and shard."""
+        return TensorDesc(self.wire, (self.numel,))
 
     @property
     def nbytes(self) -> int:
         return self.desc.nbytes
+
+    @property
+    def wire_nbytes(self) -> int:
+        return self.wire_desc.nbytes
 
 
 @dataclass(frozen=True)
@@ -44,8 +62,10 @@ class ShardingPlan:
     fingerprint: str
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_shards: int, chunk_bytes: int) -> ShardingPlan:
-        return cls.build(model_tensors(model), num_shards, chunk_bytes)
+    def for_model(
+        cls, model: torch.nn.Module, num_shards: int, chunk_bytes: int, wire_dtype: str = "fp32"
+    ) -> ShardingPlan:
+        return cls.build(model_tensors(model), num_shards, chunk_bytes, wire_dtype)
 
     @classmethod
     def build(
@@ -53,10 +73,17 @@ class ShardingPlan:
         tensors: list[tuple[str, torch.Tensor, bool]],
         num_shards: int,
         chunk_bytes: int,
+        wire_dtype: str = "fp32",
     ) -> ShardingPlan:
-        """Plan for ``(name, tensor, trainable)`` triples, in the order given."""
+        """Plan for ``(name, tensor, trainable)`` triples, in the order given; float32 chunks
+        travel in ``wire_dtype`` (fp32, bf16 or fp16)."""
         if num_shards < 1:
             raise ValueError("a plan needs at least one shard")
+        if wire_dtype not in WIRE_DTYPE_NAMES:
+            raise ValueError(
+                f"wire dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, got {wire_dtype!r}"
+            )
+        wire_of = {"float32": WIRE_DTYPE_NAMES[wire_dtype]}
         pieces: list[tuple[str, int, int, str, bool]] = []
         sizes: list[int] = []
         for name, t, trainable in tensors:
@@ -74,7 +101,7 @@ class ShardingPlan:
             owner[key] = shard
             load[shard] += sizes[key]
         chunks = tuple(
-            Chunk(key, name, offset, numel, dtype, trainable, owner[key])
+            Chunk(key, name, offset, numel, dtype, trainable, owner[key], wire_of.get(dtype, dtype))
             for key, (name, offset, numel, dtype, trainable) in enumerate(pieces)
         )
         digest = hashlib.sha256(repr((num_shards, chunks)).encode()).hexdigest()[:16]

@@ -5,7 +5,7 @@ into its push segment, and the shard writes the weights it serves that wave into
 One of each per wave, and a wave has at most one request in flight, so neither side ever reads a
 segment the other is writing: a pulled weight set is exactly one version. Offsets come from the
 shard's own chunk list, never from a client, so no request makes the shard read or write outside
-them. Memory: 2 x (attached waves) x (this shard's parameter bytes).
+them. Memory: 2 x (attached waves) x (this shard's parameter bytes, in the wire dtype).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class SegmentStore:
 
     def attach(self, wave: WaveId, specs: list[ChunkSpec]) -> WaveSegments:
         self.detach(wave)  # a wave that attaches again (a restart, a rejoin) gets new ones
-        offsets, size = layout([s.desc.nbytes for s in specs])
+        offsets, size = layout([s.wire.nbytes for s in specs])  # as they travel
         push = Segment.create(self.prefix, size)
         try:
             pull = Segment.create(self.prefix, size, push.nonce)  # one nonce for the pair
@@ -82,7 +82,7 @@ class SegmentStore:
 
         def views(segment: Segment) -> list[torch.Tensor]:
             return [
-                segment.tensor(o, s.desc.numel, s.desc.torch_dtype)
+                segment.tensor(o, s.wire.numel, s.wire.torch_dtype)
                 for o, s in zip(offsets, specs, strict=True)
             ]
 

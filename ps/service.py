@@ -205,14 +205,14 @@ class ShardService:
         return self._reply(peer, h, Ack(self.shard.version))
 
     def rpc_init(self, peer, h: Header, body: InitRequest, tensors) -> Outgoing:
-        seeded = self.shard.initialize(h.plan, h.keys, tensors, body.trainable)
+        seeded = self.shard.initialize(h.plan, h.keys, tensors, body.trainable, body.wire)
         return self._reply(peer, h, InitReply(self.shard.version, seeded))
 
     def rpc_pull(self, peer, h: Header, body: PullRequest, tensors) -> Outgoing | None:
         if body.observer:
             # Evaluation and tools read the current weights; they are not a wave and never park.
             self.shard.check_plan(h.plan)
-            return self._weights(peer, h.request_id, None, h.clock, parked_s=0.0)
+            return self._weights(peer, h.request_id, None, h.clock, 0.0, master=body.master)
         wave = self.members.registered(h, peer)
         self.datapath.check_pull(wave, body.shm)
         self.parked.check_room()
@@ -362,6 +362,7 @@ class ShardService:
         parked_s: float,
         action: str = "",
         shm: bool = False,
+        master: bool = False,
     ) -> Outgoing:
         slowest = self.clocks.min_live_clock()
         body = WeightsReply(
@@ -378,7 +379,8 @@ class ShardService:
         header = reply_header(request_id, body)
         header.keys = self.shard.keys
         peer = peer.identity if isinstance(peer, Peer) else peer
-        return self.datapath.weights_reply(peer, header, self.shard.values(), wave, shm)
+        values = self.shard.values() if master else self.shard.wire_values()
+        return self.datapath.weights_reply(peer, header, values, wave, shm)
 
     # --- membership, admin, errors ------------------------------------------------------------
 

@@ -3,6 +3,10 @@
 No networking here (that is ``ps/server.py``; the rules are ``ps/service.py``): the shard validates
 what it is given and changes its parameters only once a whole push has been validated, so a bad
 request never leaves half an update.
+
+The shard keeps master weights and optimizer state in the dtype the model has (fp32). With a
+16-bit wire, gradients arrive in 16 bits and are applied in fp32, and the 16-bit copy of the
+weights is made once per change of state and served to every reader (``wire_values``).
 """
 
 from __future__ import annotations
@@ -19,8 +23,14 @@ from wavelet.common.protocol import ErrorCode, ProtocolError, TensorDesc
 @dataclass(frozen=True)
 class ChunkSpec:
     key: int
-    desc: TensorDesc
+    desc: TensorDesc  # as the shard keeps it (master weights)
     trainable: bool
+    wire: TensorDesc  # as it travels
+
+
+def _wire_dtype_allowed(master: torch.dtype, wire: torch.dtype) -> bool:
+    """A chunk travels in its own dtype, or a float32 one in 16 bits."""
+    return wire == master or (master == torch.float32 and wire in (torch.bfloat16, torch.float16))
 
 
 class Shard:
@@ -45,6 +55,9 @@ class Shard:
         self.wave_buffers: dict[object, dict[int, torch.Tensor]] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0  # updates applied
+        self.changes = 0  # updates and buffer uploads: what a cached wire copy is valid for
+        self.wire_casts = 0  # 16-bit copies made of the weights (one per change read)
+        self._wire_copy: tuple[int, list[torch.Tensor]] | None = None
 
     @property
     def initialized(self) -> bool:
@@ -60,8 +73,10 @@ class Shard:
         keys: Sequence[int],
         values: Sequence[torch.Tensor],
         trainable: Sequence[bool],
+        wire: Sequence[str] = (),
     ) -> bool:
-        """Seed the shard from a wave's initial weights; returns False if it already was seeded."""
+        """Seed the shard from a wave's initial weights (full precision, with the dtype each
+        chunk travels in: ``wire``, default its own); returns False if it already was seeded."""
         if self.initialized:
             self.check_plan(plan)
             return False
@@ -76,9 +91,26 @@ class Shard:
                 raise ProtocolError(ErrorCode.BAD_DTYPE, "trainable chunks must be floating point")
             if v.dim() != 1:
                 raise ProtocolError(ErrorCode.BAD_SHAPE, "chunks travel as 1-D tensors")
+        wire = list(wire) or [TensorDesc.of(v).dtype for v in values]
+        if len(wire) != len(values):
+            raise ProtocolError(ErrorCode.MALFORMED, "init needs one wire dtype per key")
+        wire_descs = []
+        for v, w in zip(values, wire, strict=True):
+            try:
+                desc = TensorDesc(w, tuple(v.shape))
+                allowed = _wire_dtype_allowed(v.dtype, desc.torch_dtype)
+            except KeyError:
+                allowed = False
+            if not allowed:
+                raise ProtocolError(
+                    ErrorCode.BAD_DTYPE,
+                    f"a {v.dtype} chunk cannot travel as {w!r}: only float32 ones may travel "
+                    "in bfloat16 or float16",
+                )
+            wire_descs.append(desc)
         self.specs = [
-            ChunkSpec(k, TensorDesc.of(v), bool(t))
-            for k, v, t in zip(keys, values, trainable, strict=True)
+            ChunkSpec(k, TensorDesc.of(v), bool(t), w)
+            for k, v, t, w in zip(keys, values, trainable, wire_descs, strict=True)
         ]
         for spec, value in zip(self.specs, values, strict=True):
             if spec.trainable:
@@ -115,10 +147,11 @@ class Shard:
                 f"got {len(keys)}",
             )
         for spec, t in zip(self.specs, tensors, strict=True):
-            if t.dtype != spec.desc.torch_dtype:
+            if t.dtype != spec.wire.torch_dtype:
                 raise ProtocolError(
                     ErrorCode.BAD_DTYPE,
-                    f"key {spec.key}: dtype {t.dtype} where {spec.desc.dtype} is expected",
+                    f"key {spec.key}: dtype {t.dtype} where {spec.wire.dtype} is expected (the "
+                    "job's wire_dtype: every wave and shard of a job must use the same)",
                 )
             if tuple(t.shape) != spec.desc.shape:
                 raise ProtocolError(
@@ -134,20 +167,29 @@ class Shard:
                 )
 
     def gradients(self, tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
-        return {s.key: t for s, t in zip(self.specs, tensors, strict=True) if s.trainable}
+        """The trainable chunks' gradients, in the master dtype (16-bit ones are widened)."""
+        return {
+            s.key: t.to(s.desc.torch_dtype)
+            for s, t in zip(self.specs, tensors, strict=True)
+            if s.trainable
+        }
 
     def store_buffers(self, wave: object, tensors: Sequence[torch.Tensor]) -> None:
         """Keep ``wave``'s buffer values (copied: the frames they arrived in are released)."""
         values = {
-            s.key: t.clone() for s, t in zip(self.specs, tensors, strict=True) if not s.trainable
+            s.key: t.to(s.desc.torch_dtype, copy=True)
+            for s, t in zip(self.specs, tensors, strict=True)
+            if not s.trainable
         }
         if values:
             self.wave_buffers[wave] = values
+            self.changes += 1
 
     def forget_wave(self, wave: object) -> None:
         """``wave`` left: its buffer values (BatchNorm statistics) no longer count in the mean.
         Where it was the last to upload a key, its values stay as the key's base value."""
         values = self.wave_buffers.pop(wave, None) or {}
+        self.changes += 1
         for key, value in values.items():
             if not any(key in b for b in self.wave_buffers.values()):
                 self.buffers[key] = value
@@ -169,12 +211,16 @@ class Shard:
         for p in self.params.values():
             p.grad = None
         self.version += 1
+        self.changes += 1
 
     def _own_weights(self) -> None:
         """Replies still being sent point at the parameters' memory (zero copy). Rather than wait
         for them (a client that never reads would stall the shard), move the parameters to fresh
         memory: those replies keep the old memory, and the version they were sent with, until
-        ZeroMQ lets go of it. Optimizer state stays keyed by the same Parameter objects."""
+        ZeroMQ lets go of it. Optimizer state stays keyed by the same Parameter objects.
+        With a 16-bit wire, replies carry copies (``wire_values``), never this memory."""
+        if all(s.wire != s.desc for s in self.specs if s.trainable):
+            return
         if not self.weights_in_use():
             return
         for p in self.params.values():
@@ -191,6 +237,20 @@ class Shard:
                 out.append(self._buffer_value(spec))
         return out
 
+    def wire_values(self) -> list[torch.Tensor]:
+        """``values()`` in each chunk's wire dtype. A 16-bit copy is made once per change and
+        served to every reader of it; it is never written in place (replies still sending it
+        keep it alive), so it needs none of ``_own_weights``'s care."""
+        if all(s.wire == s.desc for s in self.specs):
+            return self.values()
+        if self._wire_copy is None or self._wire_copy[0] != self.changes:
+            copy = [
+                v.to(s.wire.torch_dtype) for s, v in zip(self.specs, self.values(), strict=True)
+            ]
+            self._wire_copy = (self.changes, copy)
+            self.wire_casts += 1
+        return self._wire_copy[1]
+
     def _buffer_value(self, spec: ChunkSpec) -> torch.Tensor:
         uploads = [b[spec.key] for b in self.wave_buffers.values() if spec.key in b]
         if not uploads:
@@ -202,7 +262,13 @@ class Shard:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved (a restarted shard resuming from its checkpoint)."""
-        self.initialize(state["plan"], state["keys"], state["values"], state["trainable"])
+        self.initialize(
+            state["plan"],
+            state["keys"],
+            state["values"],
+            state["trainable"],
+            state.get("wire", ()),  # checkpoints before 16-bit wires: every chunk its own dtype
+        )
         self.version = state["version"]
         if state["optimizer"] is not None:
             assert self.optimizer is not None
@@ -215,6 +281,7 @@ class Shard:
             "keys": self.keys,
             "values": [v.clone() for v in self.values()],
             "trainable": [s.trainable for s in self.specs],
+            "wire": [s.wire.dtype for s in self.specs],
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
         }
 

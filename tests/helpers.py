@@ -32,9 +32,17 @@ def tiny_model(seed: int = 0, hidden: int = 16) -> torch.nn.Module:
 
 
 def client_for(
-    model, addresses, worker="w0", wave=0, stop=None, timeout_s=TIMEOUT_S, transport="auto"
+    model,
+    addresses,
+    worker="w0",
+    wave=0,
+    stop=None,
+    timeout_s=TIMEOUT_S,
+    transport="auto",
+    wire_dtype="fp32",
+    error_feedback=False,
 ):
-    plan = ShardingPlan.for_model(model, len(addresses), 4 << 20)
+    plan = ShardingPlan.for_model(model, len(addresses), 4 << 20, wire_dtype)
     tensors = {n: t for n, t, _ in model_tensors(model)}
     return PSClient(
         addresses,
@@ -45,15 +53,16 @@ def client_for(
         timeout_s,
         stop or threading.Event(),
         transport=transport,
+        error_feedback=error_feedback,
     )
 
 
-def shard_values(addresses, seed=0) -> list[torch.Tensor]:
-    """The shards' current weights, read as an observer into a fresh model."""
+def shard_values(addresses, seed=0, wire_dtype="fp32") -> list[torch.Tensor]:
+    """The shards' current master weights, read as an observer into a fresh model."""
     model = tiny_model(seed)
-    c = client_for(model, addresses, worker="observer")
+    c = client_for(model, addresses, worker="observer", wire_dtype=wire_dtype)
     try:
-        c.pull(0, observer=True)
+        c.pull(0, observer=True, master=True)
     finally:
         c.close()
     return [t.detach().clone() for t in model.state_dict().values()]
@@ -117,13 +126,20 @@ class RawClient:
 class ServiceWave:
     """Frames a wave would send to a one-shard job, and the replies, through ``service.handle``."""
 
-    def __init__(self, service: ShardService, worker: str = "w0", peer: bytes = b"", wave: int = 0):
+    def __init__(
+        self,
+        service: ShardService,
+        worker: str = "w0",
+        peer: bytes = b"",
+        wave: int = 0,
+        wire_dtype: str = "fp32",
+    ):
         self.service = service
         # its connection: one per wave, as a PSClient has
         self.peer = peer or f"{worker}/{wave}".encode()
         self.wave = wave
         self.model = tiny_model()
-        self.plan = ShardingPlan.for_model(self.model, 1, 4 << 20)
+        self.plan = ShardingPlan.for_model(self.model, 1, 4 << 20, wire_dtype)
         self.tensors = {n: t for n, t, _ in model_tensors(self.model)}
         self.chunks = self.plan.for_shard(0)
         self.worker = worker
@@ -142,16 +158,21 @@ class ServiceWave:
         h = self.request(Op.REGISTER, clock=0, body={"resume": resume})
         if not h.body["initialized"]:
             values = [chunk_view(self.tensors[c.name].detach(), c) for c in self.chunks]
-            trainable = [c.trainable for c in self.chunks]
-            assert self.request(Op.INIT, values, keys=self.keys, body={"trainable": trainable})
+            body = {"trainable": [c.trainable for c in self.chunks]}
+            body["wire"] = [c.wire for c in self.chunks]
+            assert self.request(Op.INIT, values, keys=self.keys, body=body)
         return h
 
     @property
     def keys(self) -> list[int]:
         return [c.key for c in self.chunks]
 
-    def push(self, clock: int, read: int, value: float = 0.1) -> Header:
-        grads = [torch.full((c.numel,), value) for c in self.chunks]
+    def push(self, clock: int, read: int, value: float = 0.1, dtype=None) -> Header:
+        """Gradients of ``value`` everywhere, in the plan's wire dtype unless ``dtype``."""
+        grads = [
+            torch.full((c.numel,), value, dtype=dtype or c.wire_desc.torch_dtype)
+            for c in self.chunks
+        ]
         return self.request(Op.PUSH, grads, clock=clock, read_version=read, keys=self.keys)
 
 

@@ -23,12 +23,14 @@ def _batch(wave: int, step: int, regression: bool = False):
     return x, torch.randint(0, 3, (BATCH,), generator=g)
 
 
-def _train_wave(addresses, wave: int, errors: list, step_name: str = "classification"):
+def _train_wave(
+    addresses, wave: int, errors: list, step_name: str = "classification", wire_dtype="fp32"
+):
     try:
         model = tiny_model()
         step_fn = load_step(step_name)
         transport = "tcp" if wave % 2 else "shm"
-        c = client_for(model, addresses, worker=f"w{wave}", wave=0, transport=transport)
+        c = client_for(model, addresses, f"w{wave}", 0, transport=transport, wire_dtype=wire_dtype)
         try:
             c.register(0)
             assert c.transports == [transport] * len(addresses)
@@ -82,9 +84,15 @@ def test_bulk_synchronous_equals_single_process(shard_daemons, waves, optimizer,
         make_opt = lambda p: torch.optim.Adam(p, lr=0.01)
     args += ["--stale-policy", policy, "--set", "drop_limit=0"]
     daemons = shard_daemons(["--staleness", "0", *args], count=2, expect_waves=waves)
+    got = _train_waves(daemons.addresses, waves, step_name)
+    _assert_equal(got, _reference(waves, make_opt, step_name))
+
+
+def _train_waves(addresses, waves: int, step_name="classification", wire_dtype="fp32"):
+    """The shards' master weights after ``waves`` waves trained STEPS steps."""
     errors: list = []
     threads = [
-        threading.Thread(target=_train_wave, args=(daemons.addresses, w, errors, step_name))
+        threading.Thread(target=_train_wave, args=(addresses, w, errors, step_name, wire_dtype))
         for w in range(waves)
     ]
     for t in threads:
@@ -93,9 +101,49 @@ def test_bulk_synchronous_equals_single_process(shard_daemons, waves, optimizer,
         t.join(60)
         assert not t.is_alive(), "a wave did not finish"
     assert not errors, errors
-    got = shard_values(daemons.addresses)
-    want = _reference(waves, make_opt, step_name)
+    return shard_values(addresses, wire_dtype=wire_dtype)
+
+
+def _assert_equal(got, want) -> None:
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     initial = [t.detach() for t in tiny_model().state_dict().values()]
     assert not all(torch.equal(a, b) for a, b in zip(got, initial, strict=True)), "nothing trained"
+
+
+def _reference_rounded(waves: int, make_opt, wire: torch.dtype):
+    """Single-process training where, as on a 16-bit wire, each wave's forward reads the fp32
+    master weights rounded to ``wire`` and each wave's gradient is rounded to ``wire`` before
+    the fp32 mean and update."""
+    master, reader = tiny_model(), tiny_model()
+    opt = make_opt(master.parameters())
+    for step in range(STEPS):
+        with torch.no_grad():
+            for r, m in zip(reader.parameters(), master.parameters(), strict=True):
+                r.copy_(m.to(wire))
+        grads = []
+        for w in range(waves):
+            x, y = _batch(w, step)
+            reader.zero_grad()
+            F.cross_entropy(reader(x), y).backward()
+            grads.append([p.grad.to(wire).float() for p in reader.parameters()])
+        for i, p in enumerate(master.parameters()):
+            p.grad = sum(g[i] for g in grads) / waves
+        opt.step()
+    return [t.detach() for t in master.state_dict().values()]
+
+
+@pytest.mark.parametrize("wire_dtype,wire", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_bulk_synchronous_on_a_16_bit_wire_equals_training_with_the_same_rounding(
+    shard_daemons, wire_dtype, wire
+):
+    """The rounding is the only difference a 16-bit wire makes: shards keep fp32 master weights
+    and apply the widened mean in fp32 (one wave over shared memory, one over TCP)."""
+    args = ["--optimizer", "sgd", "--lr", "0.1", "--set", "optimizer.kwargs.momentum=0.9"]
+    daemons = shard_daemons(["--staleness", "0", *args], count=2, expect_waves=2)
+    got = _train_waves(daemons.addresses, 2, wire_dtype=wire_dtype)
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    _assert_equal(got, _reference_rounded(2, make_opt, wire))
+    # and the rounding does make a difference: fp32 training ends elsewhere
+    exact = _reference(2, make_opt)
+    assert any((a - b).abs().max() > 1e-5 for a, b in zip(got, exact, strict=True))

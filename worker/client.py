@@ -74,6 +74,7 @@ class PSClient:
         context: zmq.Context | None = None,
         keys: ClientKeys | None = None,
         transport: str = "auto",
+        error_feedback: bool = False,
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -88,7 +89,7 @@ class PSClient:
         self.stop = stop or threading.Event()
         self.chunks = [plan.for_shard(i) for i in range(plan.num_shards)]
         self._ids = itertools.count(1)
-        self.data = WaveDataPath(tensors, self.chunks)
+        self.data = WaveDataPath(tensors, self.chunks, error_feedback)
         context = context or zmq.Context.instance()
         self.sockets = []
         for a in addresses:
@@ -168,18 +169,23 @@ class PSClient:
         h = self._header(
             Op.INIT,
             keys=[c.key for c in chunks],
-            body=InitRequest(trainable=[c.trainable for c in chunks]),
+            body=InitRequest(
+                trainable=[c.trainable for c in chunks], wire=[c.wire for c in chunks]
+            ),
         )
         return h, self.data.weights(shard)
 
-    def pull(self, clock: int, observer: bool = False) -> PullResult:
-        """Read every shard's weights into our tensors (may wait for the staleness bound)."""
+    def pull(self, clock: int, observer: bool = False, master: bool = False) -> PullResult:
+        """Read every shard's weights into our tensors (may wait for the staleness bound);
+        ``observer`` never waits, and with ``master`` reads the fp32 master weights."""
         messages = [
             (
                 self._header(
                     Op.PULL,
                     clock=clock,
-                    body=PullRequest(observer=True) if observer else PullRequest(shm=shm),
+                    body=PullRequest(observer=True, master=master)
+                    if observer
+                    else PullRequest(shm=shm),
                 ),
                 [],
             )

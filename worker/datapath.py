@@ -14,6 +14,8 @@ import torch
 from wavelet.common.sharding import Chunk, chunk_view
 from wavelet.common.shm import Segment
 
+FP16_MAX = torch.finfo(torch.float16).max
+
 
 class ShmLink:
     """A wave's side of its two segments on one shard: views of its chunks in each."""
@@ -22,7 +24,7 @@ class ShmLink:
         if len(offsets) != len(chunks):
             raise OSError(f"the shard laid out {len(offsets)} chunks, the plan has {len(chunks)}")
         for o, c in zip(offsets, chunks, strict=True):
-            if o < 0 or o + c.nbytes > push.size:
+            if o < 0 or o + c.wire_nbytes > push.size:
                 raise OSError(
                     f"chunk {c.key} at byte {o} does not fit the {push.size}-byte segment"
                 )
@@ -32,7 +34,7 @@ class ShmLink:
 
     @staticmethod
     def _view(segment: Segment, offset: int, chunk: Chunk) -> torch.Tensor:
-        return segment.tensor(offset, chunk.numel, chunk.desc.torch_dtype)
+        return segment.tensor(offset, chunk.numel, chunk.wire_desc.torch_dtype)
 
     @classmethod
     def open(cls, offer, chunks: list[Chunk]) -> ShmLink:
@@ -58,14 +60,24 @@ class ShmLink:
 
 class WaveDataPath:
     """Moves one wave's tensors (``tensors``: name -> parameter or buffer) to and from shards;
-    ``chunks[i]`` are the pieces shard ``i`` holds."""
+    ``chunks[i]`` are the pieces shard ``i`` holds; ``error_feedback``: carry each gradient's
+    16-bit rounding residual into the next."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], chunks: list[list[Chunk]]):
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        chunks: list[list[Chunk]],
+        error_feedback: bool = False,
+    ):
         self.tensors = tensors
         self.chunks = chunks
+        self.error_feedback = error_feedback
         self.links: list[ShmLink | None] = [None] * len(chunks)  # per shard, once attached
-        self._staging: dict[int, torch.Tensor] = {}  # chunk key -> pinned host copy (GPU)
+        # (chunk key, dtype) -> pinned host copy (GPU): weights go up in fp32, gradients in wire
+        self._staging: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._pending_device: torch.device | None = None
+        self._residual: dict[int, torch.Tensor] = {}  # chunk key -> what rounding lost
+        self.wire_overflows = 0  # fp16 gradients clamped to the largest finite value
 
     # --- how each shard is reached ------------------------------------------------------------
 
@@ -91,7 +103,7 @@ class WaveDataPath:
         """Tensor bytes one push and pull put on the wire: every chunk up and back, except those
         of shards reached through shared memory."""
         return 2 * sum(
-            c.nbytes for i, chunks in enumerate(self.chunks) if not self.shm(i) for c in chunks
+            c.wire_nbytes for i, chunks in enumerate(self.chunks) if not self.shm(i) for c in chunks
         )
 
     def close(self) -> None:
@@ -101,8 +113,11 @@ class WaveDataPath:
     # --- outgoing -----------------------------------------------------------------------------
 
     def weights(self, shard: int) -> list[torch.Tensor]:
-        """Our current weights for ``shard``'s chunks, as frames (they seed an empty shard)."""
-        return [self._host(self.tensors[c.name], c) for c in self.chunks[shard]]
+        """Our current weights for ``shard``'s chunks, as frames (they seed an empty shard, so
+        they go in full precision whatever the wire dtype)."""
+        return [
+            self._host(chunk_view(self.tensors[c.name].detach(), c), c) for c in self.chunks[shard]
+        ]
 
     def gradients(self, shard: int) -> list[torch.Tensor]:
         """Our gradients (and buffer values) for ``shard``: frames to send, or, for a shard
@@ -144,34 +159,57 @@ class WaveDataPath:
     # --- one chunk ----------------------------------------------------------------------------
 
     def _gradient_into(self, chunk: Chunk, out: torch.Tensor) -> None:
-        t = self.tensors[chunk.name]
-        if chunk.trainable:
-            if t.grad is None:  # a parameter this batch did not touch
-                out.zero_()
-                return
-            t = t.grad
-        view = chunk_view(t.detach(), chunk)
-        out.copy_(view, non_blocking=view.device.type != "cpu")  # pinned segment: async D2H
-        if view.device.type != "cpu":
-            self._pending_device = view.device
+        value = self._outgoing(chunk)
+        if value is None:  # a parameter this batch did not touch
+            out.zero_()
+            return
+        out.copy_(value, non_blocking=value.device.type != "cpu")  # pinned segment: async D2H
+        if value.device.type != "cpu":
+            self._pending_device = value.device
 
     def _push_tensor(self, chunk: Chunk) -> torch.Tensor:
+        value = self._outgoing(chunk)
+        if value is None:  # a parameter this batch did not touch
+            return torch.zeros(chunk.numel, dtype=chunk.wire_desc.torch_dtype)
+        return self._host(value, chunk)
+
+    def _outgoing(self, chunk: Chunk) -> torch.Tensor | None:
+        """What a push carries for ``chunk``, in its wire dtype, where the tensor lives: the
+        gradient of a parameter (None if it has none), the value of a buffer."""
         t = self.tensors[chunk.name]
         if chunk.trainable:
-            if t.grad is None:  # a parameter this batch did not touch
-                return torch.zeros(chunk.numel, dtype=t.dtype)
+            if t.grad is None:
+                return None
             t = t.grad
-        return self._host(t, chunk)
+        view = chunk_view(t.detach(), chunk)
+        wire = chunk.wire_desc.torch_dtype
+        if view.dtype == wire:
+            return view
+        if chunk.trainable and self.error_feedback:
+            residual = self._residual.get(chunk.key)
+            if residual is not None:
+                view = view + residual
+        if wire == torch.float16:
+            largest = float(view.abs().amax()) if view.numel() else 0.0
+            # finite but beyond fp16: clamp and count; Inf or NaN go as they are, for the
+            # shard to refuse as it refuses them in fp32
+            if FP16_MAX < largest < float("inf"):
+                self.wire_overflows += 1
+                view = view.clamp(-FP16_MAX, FP16_MAX)
+        sent = view.to(wire)
+        if chunk.trainable and self.error_feedback:
+            self._residual[chunk.key] = view - sent.to(view.dtype)
+        return sent
 
     def _host(self, tensor: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        """The chunk's slice on the host: a view on CPU, a pinned staging copy from a GPU."""
-        view = chunk_view(tensor.detach(), chunk)
-        if view.device.type == "cpu":
-            return view
-        staged = self._staging.get(chunk.key)
-        if staged is None:
-            staged = torch.empty(chunk.numel, dtype=view.dtype, pin_memory=True)
-            self._staging[chunk.key] = staged
-        staged.copy_(view, non_blocking=True)  # waited for once per message: flush()
-        self._pending_device = view.device
+        """``tensor`` on the host: itself on CPU, a pinned staging copy from a GPU."""
+        if tensor.device.type == "cpu":
+            return tensor
+        slot = (chunk.key, tensor.dtype)
+        staged = self._staging.get(slot)
+        if staged is None or staged.shape != tensor.shape:
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._staging[slot] = staged
+        staged.copy_(tensor, non_blocking=True)  # waited for once per message: flush()
+        self._pending_device = tensor.device
         return staged

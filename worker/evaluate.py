@@ -38,13 +38,13 @@ def evaluate_shards(
 ) -> float:
     """Pull the shards' current weights and buffers (as an observer) and test them."""
     dataset, model = build_dataset_and_model(job, device)
-    plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes)
+    plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes, job.wire_dtype)
     tensors = {name: t for name, t, _ in model_tensors(model)}
     client = PSClient(
         addresses, plan, tensors, "eval", 0, job.request_timeout_s, context=context, keys=keys
     )
     try:
-        client.pull(0, observer=True)
+        client.pull(0, observer=True, master=True)  # the trained model, not its wire copy
     finally:
         client.close()
     return evaluate(model, dataset, torch.device(device))

@@ -110,7 +110,7 @@ class Wave:
                 f"{len(part.x)} samples; lower --batch-size"
             )
         meter = SavedActivationMeter(model.parameters())
-        plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes)
+        plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes, job.wire_dtype)
         tensors = {name: t for name, t, _ in model_tensors(model)}
         client = PSClient(
             self.config.shard_addresses,
@@ -123,6 +123,7 @@ class Wave:
             self.context,
             self.keys,
             self.config.transport,
+            job.wire_error_feedback,
         )
         try:
             self._run_epochs(model, meter, client, part, steps)
