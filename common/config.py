@@ -177,14 +177,15 @@ class OptimizerConfig:
     def effective_kwargs(self) -> dict[str, Any]:
         return {**OPTIMIZER_DEFAULTS.get(self.name.lower(), {}), **self.kwargs}
 
-    def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    def build(self, params: list[torch.Tensor], fused: bool = True) -> torch.optim.Optimizer:
         cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
         kwargs = self.effective_kwargs
         # The fused kernels update in one pass: 2x (SGD) to 4x (Adam) faster on a shard's chunks
         # (benchmarks/bench_ps.py). Used where the optimizer has one, unless the job says otherwise.
-        if "fused" in inspect.signature(cls).parameters and not {"fused", "foreach"} & set(kwargs):
-            if all(p.is_floating_point() for p in params):
-                kwargs = {**kwargs, "fused": True}
+        has_fused = "fused" in inspect.signature(cls).parameters
+        chosen = {"fused", "foreach"} & set(kwargs)
+        if fused and has_fused and not chosen and all(p.is_floating_point() for p in params):
+            kwargs = {**kwargs, "fused": True}
         try:
             return cls(params, lr=self.lr, **kwargs)
         except (TypeError, ValueError) as e:

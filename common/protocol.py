@@ -321,8 +321,11 @@ class PullRequest(Body):
 class PushRequest(Body):
     lr_scale: float = 1.0  # the job's learning-rate schedule at this clock
     shm: bool = False  # the gradients are in the wave's push segment, not in tensor frames
+    skip: bool = False  # no gradients this clock (fp16 overflow): the clock passes, nothing else
 
     def __post_init__(self) -> None:
+        if self.skip and self.shm:
+            raise ValueError("a skipped step carries no gradients, in frames or a segment")
         if not 0.0 <= self.lr_scale <= 1.0:
             raise ValueError(f"lr_scale must be a number in [0, 1], got {self.lr_scale!r}")
 
@@ -399,7 +402,7 @@ class InitReply(Body):
 @dataclass(frozen=True)
 class PushReply(Body):
     version: int
-    action: str  # what became of the gradient: applied, dropped, accumulated
+    action: str  # what became of the gradient: applied, dropped, accumulated, skipped
 
 
 @dataclass(frozen=True)

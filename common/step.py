@@ -14,6 +14,7 @@ every step; anything else stops the wave with one line naming the function and w
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from wavelet.common.imports import import_callable
+
+log = logging.getLogger(__name__)
 
 Logs = dict[str, float]
 
@@ -34,24 +37,35 @@ def classification_step(model: torch.nn.Module, batch) -> torch.Tensor:
 BUILTIN_STEPS: dict[str, Callable[..., Any]] = {"classification": classification_step}
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class StepError(ValueError):
     """The job's step returned something that is not a loss."""
 
 
 class TrainingStep:
     """The job's step, checked: ``step(model, batch) -> (loss, logs)``; with ``precision`` bf16
-    it runs under ``torch.autocast`` on the model's device (the loss is returned as fp32)."""
+    or fp16 it runs under ``torch.autocast`` on the model's device (the loss is returned as
+    fp32; fp16's loss scaling is the caller's: worker/loss_scale.py, GradScaler)."""
 
     def __init__(self, name: str = "classification", precision: str = "fp32"):
         self.name = name
         self.precision = precision
+        self._warned = False
         self.fn = BUILTIN_STEPS.get(name) or import_callable(name, "step", BUILTIN_STEPS)
 
     def __call__(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, Logs]:
         if self.precision == "fp32":
             return self.check(self.fn(model, batch))
         device = next(model.parameters()).device.type
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        if device == "cpu" and self.precision == "fp16" and not self._warned:
+            self._warned = True
+            log.warning(
+                "fp16 autocast on a CPU: convolutions have no fast fp16 kernel there (over 100x "
+                "slower than fp32, benchmarks/bench_precision.py); use bf16 on CPUs"
+            )
+        with torch.autocast(device_type=device, dtype=AUTOCAST_DTYPES[self.precision]):
             loss, logs = self.check(self.fn(model, batch))
         return loss.float(), logs
 

@@ -115,6 +115,11 @@ class ShardCollector:
         dropped = CounterMetricFamily(
             "wavelet_shard_dropped", "gradients the drop policy refused", labels=per_wave
         )
+        skipped = CounterMetricFamily(
+            "wavelet_shard_skipped_steps",
+            "steps a wave skipped (fp16 gradients overflowed): its clock passed, no gradient",
+            labels=per_wave,
+        )
         staleness = HistogramMetricFamily(
             "wavelet_shard_staleness",
             "updates applied between a wave's read and its push",
@@ -127,13 +132,14 @@ class ShardCollector:
             parked.add_metric(key, st.parked)
             parked_s.add_metric(key, st.parked_s)
             dropped.add_metric(key, st.dropped)
+            skipped.add_metric(key, st.skipped)
             hist = dict(st.staleness)
             buckets = [
                 (str(b), sum(n for tau, n in hist.items() if tau <= b)) for b in STALENESS_BUCKETS
             ]
             buckets.append(("+Inf", sum(hist.values())))
             staleness.add_metric(key, buckets, sum(tau * n for tau, n in hist.items()))
-        yield from (pushes, pulls, parked, parked_s, dropped, staleness)
+        yield from (pushes, pulls, parked, parked_s, dropped, skipped, staleness)
 
 
 def serve_shard_metrics(server, config) -> MetricsEndpoint:

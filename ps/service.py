@@ -279,14 +279,19 @@ class ShardService:
         self.shard.check_plan(h.plan)
         clock = self.clocks.clocks[wave]
         self._check_push_order(wave, clock, h)
-        tensors = self.datapath.gradients(wave, body.shm, tensors)
-        self.shard.check_push(h.keys, tensors)  # frames or a segment: validated alike
         tau = self.shard.version - h.read_version
-        action, lr_scale = self.updates.push(
-            wave, clock, tau, tensors, body.lr_scale, self.stats[wave]
-        )
+        if body.skip:
+            if tensors:
+                raise ProtocolError(ErrorCode.MALFORMED, "a skipped step carries no tensors")
+            action, lr_scale = self.updates.skip(wave, clock, self.stats[wave]), 0.0
+        else:
+            tensors = self.datapath.gradients(wave, body.shm, tensors)
+            self.shard.check_push(h.keys, tensors)  # frames or a segment: validated alike
+            action, lr_scale = self.updates.push(
+                wave, clock, tau, tensors, body.lr_scale, self.stats[wave]
+            )
+            self.stats[wave].record_push(tau)
         self.clocks.advance(wave)
-        self.stats[wave].record_push(tau)
         self.checkpoints.log_push(
             wave_name=wave_name(*wave),
             worker=wave[0],

@@ -80,6 +80,7 @@ class WaveStats:
     parked: int = 0
     parked_s: float = 0.0
     dropped: int = 0
+    skipped: int = 0  # steps the wave skipped (fp16 overflow): its clock passed, no gradient
     rejected: Counter = field(default_factory=Counter)
     transport: str = "tcp"  # how its tensors travel: tcp (frames) or shm (segments)
 
@@ -104,6 +105,7 @@ class WaveStats:
             "parked": self.parked,
             "parked_s": self.parked_s,
             "dropped": self.dropped,
+            "skipped": self.skipped,
             "rejected": dict(self.rejected),
             "transport": self.transport,
         }

@@ -29,37 +29,41 @@ from wavelet.ps.staleness import ClockTable, WaveId
 
 
 class SyncSum:
-    """The open clock of one group: the sum of its gradients and their count."""
+    """The open clock of one group: the sum of its gradients and their count. A wave that
+    skipped its step (fp16 overflow) counts as having pushed the clock, with nothing to add."""
 
     def __init__(self) -> None:
         self._sum: dict[int, torch.Tensor] | None = None
+        self.open = False
         self.clock = -1
         self.count = 0
         self._lr_sum = 0.0
 
-    @property
-    def open(self) -> bool:
-        return self._sum is not None
-
-    def add(self, clock: int, grads: dict[int, torch.Tensor], lr_scale: float) -> None:
+    def add(self, clock: int, grads: dict[int, torch.Tensor] | None, lr_scale: float) -> None:
+        if not self.open:
+            self.open, self.clock = True, clock
+        if grads is None:
+            return
         if self._sum is None:
             # cloned: the gradients live in the request's frames, released after the reply
             self._sum = {k: g.clone() for k, g in grads.items()}
-            self.clock, self.count, self._lr_sum = clock, 1, lr_scale
+            self.count, self._lr_sum = 1, lr_scale
             return
         for k, g in grads.items():
             self._sum[k].add_(g)
         self.count += 1
         self._lr_sum += lr_scale
 
-    def mean(self) -> tuple[dict[int, torch.Tensor], float, int]:
+    def mean(self) -> tuple[dict[int, torch.Tensor], float, int] | None:
         """The mean gradient, the mean learning-rate factor and how many gradients were
-        averaged; closes the clock."""
-        assert self._sum is not None
-        grads = {k: s.div_(self.count) for k, s in self._sum.items()}
-        lr_scale, count = self._lr_sum / self.count, self.count
-        self._sum, self.count, self._lr_sum = None, 0, 0.0
-        return grads, lr_scale, count
+        averaged (None: every wave skipped); closes the clock."""
+        assert self.open
+        out = None
+        if self._sum is not None:
+            grads = {k: s.div_(self.count) for k, s in self._sum.items()}
+            out = grads, self._lr_sum / self.count, self.count
+        self._sum, self.open, self.count, self._lr_sum = None, False, 0, 0.0
+        return out
 
 
 class SyncGroups:
@@ -86,7 +90,9 @@ class SyncGroups:
                 f"pull before pushing clock {clock}",
             )
 
-    def add(self, wave: WaveId, clock: int, grads: dict[int, torch.Tensor], lr: float) -> None:
+    def add(
+        self, wave: WaveId, clock: int, grads: dict[int, torch.Tensor] | None, lr: float
+    ) -> None:
         self._sum(wave).add(clock, grads, lr)
 
     def holds_back(self, wave: WaveId, clock: int) -> bool:
@@ -116,5 +122,7 @@ class SyncGroups:
             members = [clocks.clocks[w] for w in clocks.live if self.group_of(w) == group]
             if members and min(members) <= s.clock:
                 continue  # a live wave of the group has not pushed this clock yet
-            out.append(s.mean())
+            mean = s.mean()
+            if mean is not None:
+                out.append(mean)
         return out

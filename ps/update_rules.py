@@ -116,6 +116,14 @@ class Updates:
             self.shard.apply(decision.grads, lr_scale)
         return decision.action, lr_scale
 
+    def skip(self, wave: WaveId, clock: int, stats: WaveStats) -> str:
+        """A step ``wave`` did not push (its fp16 gradients overflowed): its clock passes, so the
+        staleness bound and synchronous sums go on without waiting for it; nothing changes."""
+        stats.skipped += 1
+        if self.synchronous:
+            self.sync.add(wave, clock, None, 0.0)
+        return "skipped"
+
     def complete(self) -> None:
         """Synchronous updates: apply each group's mean once every live wave of the group has
         pushed its open clock."""

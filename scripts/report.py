@@ -53,6 +53,11 @@ def summarize(
         "train_seconds": progress.elapsed(),
         "samples_per_s": progress.samples / max(progress.elapsed(), 1e-9),
         "lost_updates": progress.lost_updates,
+        "precision": job_cfg.precision,
+        "wire_dtype": job_cfg.wire_dtype,
+        "wire_bytes": progress.wire_bytes,
+        "skipped_steps": dict(progress.skipped),
+        "wire_overflows": sum(progress.wire_overflows.values()),
         "waves": stats,
         "throughput_of": "this machine's workers",
     }
@@ -76,6 +81,7 @@ def format_summary(s: dict) -> str:
     ]
     if s.get("lost_updates"):
         lines.append(f"restarted shards lost {s['lost_updates']} update(s) (see the records)")
+    lines.append(_precision_line(s))
     if s["waves"]:
         lines += [
             "staleness per wave (updates applied between a wave's read and its push):",
@@ -83,6 +89,22 @@ def format_summary(s: dict) -> str:
         ]
     lines.append(f"records, logs and summary.json: {s['run_dir']}")
     return "\n".join(lines)
+
+
+def _precision_line(s: dict) -> str:
+    """Precision, wire dtype, bytes moved and fp16 trouble, in one line."""
+    per_sample = s["wire_bytes"] / s["samples"] if s.get("samples") else 0.0
+    line = (
+        f"precision {s['precision']}, wire {s['wire_dtype']}: {s['wire_bytes'] / 1e6:.1f} MB "
+        f"of tensors over TCP ({per_sample / 1e3:.1f} kB/sample; shared memory not counted)"
+    )
+    skipped = {w: n for w, n in s.get("skipped_steps", {}).items() if n}
+    if skipped:
+        each = ", ".join(f"{w}: {n}" for w, n in sorted(skipped.items()))
+        line += f"; {sum(skipped.values())} step(s) skipped on fp16 overflow ({each})"
+    if s.get("wire_overflows"):
+        line += f"; {s['wire_overflows']} gradient(s) clamped to fp16's range"
+    return line
 
 
 class Progress:
@@ -113,6 +135,9 @@ class Progress:
         self.accuracy: float | None = None
         self.final_accuracy: float | None = None
         self.lost_updates = 0  # most updates any wave saw a restarted shard lose
+        self.wire_bytes = 0  # tensor bytes the waves moved over TCP
+        self.skipped: dict[str, int] = {}  # per wave, steps skipped on fp16 overflow
+        self.wire_overflows: dict[str, int] = {}  # per wave, fp16 gradients clamped (running)
         self.tcp_reasons: list[str] = []  # why waves that could use shared memory do not
         self._told_tcp = False
 
@@ -164,6 +189,9 @@ class Progress:
             self.epoch = max(self.epoch, r["epoch"] + 1)
             self.loss[wave] = r["loss"]
             self.lost_updates = max(self.lost_updates, r.get("lost_updates", 0))
+            self.wire_bytes += r.get("wire_bytes", 0)
+            self.skipped[wave] = self.skipped.get(wave, 0) + int(r.get("skipped", False))
+            self.wire_overflows[wave] = r.get("wire_overflows", 0)
             self.last_t = r["t"] if self.last_t is None else max(self.last_t, r["t"])
         elif r["kind"] == "eval":
             self.accuracy = r["test_acc"]

@@ -33,6 +33,7 @@ def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
                     "last_read": {},
                     "rejected": 0,
                     "dropped": 0,
+                    "skipped": 0,
                     "transports": set(),
                 },
             )
@@ -42,6 +43,7 @@ def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
             m["parked_s"] = max(m["parked_s"], w["parked_s"])
             m["rejected"] += sum(w["rejected"].values())
             m["dropped"] += w["dropped"]
+            m["skipped"] = max(m["skipped"], w.get("skipped", 0))  # every shard saw each skip
             m["transports"].add(w.get("transport", "tcp"))
             for tau, n in w["staleness_hist"].items():
                 m["hist"][int(tau)] = m["hist"].get(int(tau), 0) + n
@@ -59,7 +61,7 @@ def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
 def format_wave_table(waves: dict[str, dict]) -> str:
     lines = [
         f"{'wave':<8} {'clock':>6} {'read':>10} {'pushes':>7} {'mean':>6} {'p99':>4} "
-        f"{'max':>4} {'dropped':>7} {'parked':>7} {'waited_s':>9} {'via':>7}  "
+        f"{'max':>4} {'dropped':>7} {'skipped':>7} {'parked':>7} {'waited_s':>9} {'via':>7}  "
         "staleness histogram (staleness:pushes)"
     ]
     for name in sorted(waves):
@@ -68,7 +70,8 @@ def format_wave_table(waves: dict[str, dict]) -> str:
         read = "/".join(str(v) for _, v in sorted(w["last_read"].items())) or "-"
         lines.append(
             f"{name:<8} {w['clock']:>6} {read:>10} {w['pushes']:>7} {w['staleness_mean']:>6.2f} "
-            f"{w['staleness_p99']:>4} {w['staleness_max']:>4} {w['dropped']:>7} {w['parked']:>7} "
+            f"{w['staleness_p99']:>4} {w['staleness_max']:>4} {w['dropped']:>7} "
+            f"{w.get('skipped', 0):>7} {w['parked']:>7} "
             f"{w['parked_s']:>9.2f} {w.get('transport', 'tcp'):>7}  {hist}"
         )
     return "\n".join(lines)
@@ -88,6 +91,7 @@ def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
     print(format_wave_table(merge_wave_stats(shards)))
     print(
         "read: version last read from each shard; mean/p99/max: staleness of pushes; "
+        "skipped: steps the wave skipped on fp16 overflow; "
         "waited_s: time pulls were parked by the bound; via: how its tensors travel (shm: "
         "shared memory, tcp: ZeroMQ frames)"
     )

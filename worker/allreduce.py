@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from wavelet.common.config import ConfigError, WorkerConfig
@@ -24,7 +25,7 @@ from wavelet.common.models import checkpoint_blocks
 from wavelet.common.protocol import wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
-from wavelet.common.step import load_step
+from wavelet.common.step import AUTOCAST_DTYPES, load_step
 from wavelet.worker.evaluate import evaluate
 from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory
 from wavelet.worker.metrics import serve_worker_metrics
@@ -101,6 +102,36 @@ class AllReduceWorker:
         return bool(flag.item())
 
 
+def compress_gradients(ddp: DistributedDataParallel, wire_dtype: str) -> None:
+    """All-reduce gradient buckets in ``wire_dtype``, the baseline a 16-bit parameter server is
+    fair to: torch's bf16 and fp16 compression hooks on GPUs; on CPUs (gloo, where torch's bf16
+    hook refuses to run) the same steps: divide by the world size, cast, all-reduce, cast back."""
+    if wire_dtype == "fp32":
+        return
+    if next(ddp.parameters()).device.type == "cuda":
+        hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+        ddp.register_comm_hook(None, hook[wire_dtype])
+    else:
+        ddp.register_comm_hook(None, _cast_hook(AUTOCAST_DTYPES[wire_dtype]))
+
+
+def _cast_hook(dtype: torch.dtype):
+    # no annotations: DDP checks them, and this module's are strings (future annotations)
+    def hook(state, bucket):
+        group = dist.group.WORLD
+        compressed = bucket.buffer().div(dist.get_world_size(group)).to(dtype)
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def widen(f: torch.futures.Future) -> torch.Tensor:
+            out = bucket.buffer()
+            out.copy_(f.value()[0])
+            return out
+
+        return future.then(widen)
+
+    return hook
+
+
 class _Rank:
     """One DDP rank's training state: its model, optimizer, part of the data and records."""
 
@@ -118,7 +149,14 @@ class _Rank:
         self.ddp = DistributedDataParallel(
             self.model, device_ids=[device.index] if device.type == "cuda" else None
         )
-        self.optimizer = job.optimizer.build(list(self.ddp.parameters()))
+        compress_gradients(self.ddp, job.wire_dtype)
+        fp16 = job.precision == "fp16"
+        # fp16 compute scales the loss as DDP users do; a no-op for fp32 and bf16. Not with a
+        # fused optimizer: torch's CPU fused SGD takes a step the scaler skipped into its
+        # momentum (NaN weights at the first good step, tests/test_mixed_precision.py).
+        self.optimizer = job.optimizer.build(list(self.ddp.parameters()), fused=not fp16)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+        self.skipped = 0
         self.meter = SavedActivationMeter(self.model.parameters())
         self.training_step = load_step(job.step, job.precision)
         self.trace_iters = job.memory_trace_iters
@@ -126,6 +164,8 @@ class _Rank:
         self.part = self.dataset.part(self.rank, world, job.seed)
         self.steps = self.part.steps_per_epoch(job.batch_size)
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if job.wire_dtype != "fp32":
+            grad_bytes //= 2  # float32 gradients travel in 16 bits
         # A ring all-reduce sends 2 (n - 1) / n of the gradient bytes from every rank.
         self.wire_bytes = int(2 * (world - 1) / world * grad_bytes)
         self.records.write(
@@ -140,6 +180,7 @@ class _Rank:
                 "rank": self.rank,
                 "world_size": world,
                 "precision": job.precision,
+                "wire_dtype": job.wire_dtype,
             }
         )
 
@@ -153,11 +194,15 @@ class _Rank:
             loss, logs = self.training_step(self.ddp, (x, y))
         t_end, t1 = time.time(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        self.scaler.scale(loss).backward()
         t2 = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        scale = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed
+        self.scaler.update()
+        skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale
+        self.skipped += skipped
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         t3 = time.perf_counter()
@@ -177,6 +222,8 @@ class _Rank:
             "optimizer_s": t3 - t2,
             "saved_bytes_peak": self.meter.peak,
             "wire_bytes": self.wire_bytes,
+            "skipped": skipped,
+            "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
             **device_memory(self.device),
         }
         if logs:

@@ -194,20 +194,24 @@ class PSClient:
         recover = None if observer else (lambda i: self._recover(i, clock))
         return self._load(self._exchange(messages, recover))
 
-    def push_pull(self, clock: int, read_versions: list[int], lr_scale: float = 1.0) -> PullResult:
+    def push_pull(
+        self, clock: int, read_versions: list[int], lr_scale: float = 1.0, skip: bool = False
+    ) -> PullResult:
         """Push our gradients (and buffers) for ``clock``, then read weights for ``clock + 1``.
 
-        ``lr_scale`` multiplies the learning rate of this update (the job's schedule)."""
+        ``lr_scale`` multiplies the learning rate of this update (the job's schedule). ``skip``:
+        this step has no gradients to give (fp16 overflow); the shards let the clock pass."""
         messages = []
         for shard, chunks in enumerate(self.chunks):
+            shm = self.data.shm(shard) and not skip
             h = self._header(
                 Op.PUSH_PULL,
                 clock=clock,
                 read_version=read_versions[shard],
-                keys=[c.key for c in chunks],
-                body=PushRequest(lr_scale=lr_scale, shm=self.data.shm(shard)),
+                keys=[] if skip else [c.key for c in chunks],
+                body=PushRequest(lr_scale=lr_scale, shm=shm, skip=skip),
             )
-            messages.append((h, self.data.gradients(shard)))
+            messages.append((h, [] if skip else self.data.gradients(shard)))
         self.data.flush()
         return self._load(self._exchange(messages, lambda i: self._recover(i, clock + 1)))
 

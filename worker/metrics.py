@@ -3,7 +3,8 @@
 ``wavelet_worker_*{worker="w0", wave="w0/1"}``: samples and steps (counters: ``rate()`` gives
 samples/s), samples/s over the last step, seconds spent in forward, backward, push+pull, waiting
 for the baton and for the staleness bound (counters), saved-activation bytes at the last step's
-peak, the last loss, and on a GPU the allocator's bytes.
+peak, the last loss, bytes of tensors moved, steps skipped on fp16 overflow and the loss scale,
+and on a GPU the allocator's bytes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,24 @@ class WorkerMetrics:
         self.loss = Gauge(
             "wavelet_worker_loss", "training loss of the last step", labels, registry=r
         )
+        self.wire = Counter(
+            "wavelet_worker_wire_bytes",
+            "tensor bytes pushed and pulled over TCP",
+            labels,
+            registry=r,
+        )
+        self.skipped = Counter(
+            "wavelet_worker_skipped_steps",
+            "steps skipped because fp16 gradients overflowed",
+            labels,
+            registry=r,
+        )
+        self.loss_scale = Gauge(
+            "wavelet_worker_loss_scale",
+            "the wave's fp16 loss scale (1 otherwise)",
+            labels,
+            registry=r,
+        )
         self.cuda = {
             key: Gauge(f"wavelet_worker_{key}_bytes", f"torch.cuda {key}", labels, registry=r)
             for key in ("cuda_allocated", "cuda_reserved", "nvml_used")
@@ -63,6 +82,9 @@ class WorkerMetrics:
                 "rate": self.rate.labels(*key),
                 "saved": self.saved.labels(*key),
                 "loss": self.loss.labels(*key),
+                "wire": self.wire.labels(*key),
+                "skipped": self.skipped.labels(*key),
+                "loss_scale": self.loss_scale.labels(*key),
                 "seconds": {n: c.labels(*key) for n, c in self.seconds.items()},
                 "cuda": {n: g.labels(*key) for n, g in self.cuda.items()},
             }
@@ -78,6 +100,9 @@ class WorkerMetrics:
             counter.inc(step.get(name, 0.0))
         s["saved"].set(step.get("saved_bytes_peak", 0))
         s["loss"].set(step["loss"])
+        s["wire"].inc(step.get("wire_bytes", 0))
+        s["skipped"].inc(int(step.get("skipped", False)))
+        s["loss_scale"].set(step.get("loss_scale", 1.0))
         for name, gauge in s["cuda"].items():
             if name in step:
                 gauge.set(step[name])

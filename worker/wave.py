@@ -29,6 +29,7 @@ from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import PSClient, StopRequested
 from wavelet.worker.connection import client_keys
 from wavelet.worker.evaluate import evaluate
+from wavelet.worker.loss_scale import LossScale
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Wave:
         self.metrics = metrics  # WorkerMetrics (worker/metrics.py), when they are served
         self.device = torch.device(config.device)
         self.step = load_step(self.job.step, self.job.precision)
+        self.loss_scale = LossScale(enabled=self.job.precision == "fp16")
         self.keys = client_keys(config)
         self.error: BaseException | None = None
         name = f"worker-{config.rank}-wave-{ident.local}"
@@ -163,6 +165,7 @@ class Wave:
                 "device_index": self.config.device_index,
                 "tcp_reasons": client.tcp_reasons,  # shards reached over TCP on this host, why
                 "precision": job.precision,
+                "wire_dtype": job.wire_dtype,
             }
         )
         started = time.monotonic()
@@ -207,9 +210,11 @@ class Wave:
         t0 = time.perf_counter()
         loss = self._forward(model, meter, (x, y), rec)
         t1 = time.perf_counter()
-        self._backward(model, meter, loss, t0)
+        self._backward(model, meter, self.loss_scale.scale(loss), t0)
+        finite = self.loss_scale.unscale(model)  # fp16: an overflowing step is skipped
         t2 = time.perf_counter()
-        next_pull = client.push_pull(clock, pulled.versions, lr_scale)
+        next_pull = client.push_pull(clock, pulled.versions, lr_scale, skip=not finite)
+        self.loss_scale.update(finite)
         t3 = time.perf_counter()
         rec.update(
             t=time.time(),
@@ -219,7 +224,10 @@ class Wave:
             forward_s=t1 - t0,
             backward_s=t2 - t1,
             push_pull_s=t3 - t2,
-            wire_bytes=client.round_trip_bytes,
+            wire_bytes=client.round_trip_bytes // (1 if finite else 2),  # a skip sends nothing
+            skipped=not finite,
+            loss_scale=self.loss_scale.value,
+            wire_overflows=client.data.wire_overflows,
             transport=client.transports,
             lr_scale=lr_scale,
             bound_wait_s=next_pull.parked_s,
