@@ -8,6 +8,9 @@ side by side in one run, in alternating rounds, reported as medians with ratios:
   tensors through shared memory (the default on one host) and as ZeroMQ frames over TCP.
 - raw pyzmq: the same bytes, split the same way, sent to 2 server processes that answer with the
   same number of bytes (DEALER/ROUTER, zero-copy, no protocol, no optimizer).
+- the wavelet PS again with a bf16 wire (``--wire-dtype bf16``: 16-bit gradients and weights,
+  fp32 master weights on the shards), over shared memory and TCP. Bytes per round trip of every
+  PS row come from the shards' own byte counters (their Prometheus endpoint), not from sizes.
 - gloo all_reduce: the tensor all-reduced between 2 processes (what DDP does with gradients).
 - with ``--curve``: the wavelet PS round trip again, with CURVE encryption and authentication.
 - with ``--slow-reader N [N ...]``: the wavelet PS round trip again, on shards that N other
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -105,54 +109,73 @@ class RawZmq:
 
 
 class WaveletPS:
-    def __init__(self, shards: int, numel: int, workdir: Path, curve: bool = False):
+    def __init__(
+        self, shards: int, numel: int, workdir: Path, curve: bool = False, wire_dtype="fp32"
+    ):
         self.procs = []
-        addresses = []
-        keys = JobKeys.create(workdir / "keys", ["bench"]) if curve else None
-        for i in range(shards):
-            ready = workdir / f"ps-{i}{'-curve' if curve else ''}.addr"
-            cmd = [
-                sys.executable,
-                "-m",
-                "wavelet.scripts.cli",
-                "--log-level",
-                "WARNING",
-                "ps",
-                "--shards",
-                str(shards),
-                "--shard-index",
-                str(i),
-                "--staleness",
-                "inf",
-                "--ready-file",
-                str(ready),
-            ]
-            if keys:
-                cmd += [
-                    "--curve-secret",
-                    str(keys.server_secret),
-                    "--curve-authorized",
-                    str(keys.authorized),
-                ]
-            self.procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}))
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                if time.monotonic() > deadline or self.procs[-1].poll() is not None:
-                    raise RuntimeError("shard daemon did not start")
-                time.sleep(0.05)
-            addresses.append(ready.read_text().strip())
-        self.addresses = addresses
-        self.keys = keys
-        self.numel = numel
         self.waves: dict[str, list] = {}
-        self.client = self._join("tcp")
+        self.wire_dtype = wire_dtype
+        self.keys = JobKeys.create(workdir / "keys", ["bench"]) if curve else None
+        self.numel = numel
+        tag = f"{'-curve' if curve else ''}-{wire_dtype}"
+        self.run_dir = workdir / f"ps{tag}"
+        try:
+            self.addresses = [
+                self._start(i, shards, workdir / f"ps-{i}{tag}.addr") for i in range(shards)
+            ]
+            self.client = self._join("tcp")
+        except BaseException:
+            self.close()  # no shard outlives a failed start
+            raise
         self.step = lambda: self._step("tcp")
+
+    def _start(self, i: int, shards: int, ready: Path) -> str:
+        """Start shard ``i``; its address once it listens."""
+        keys = self.keys
+        cmd = [
+            sys.executable,
+            "-m",
+            "wavelet.scripts.cli",
+            "--log-level",
+            "WARNING",
+            "ps",
+            "--shards",
+            str(shards),
+            "--shard-index",
+            str(i),
+            "--staleness",
+            "inf",
+            "--ready-file",
+            str(ready),
+            "--run-dir",
+            str(self.run_dir),
+            "--metrics-port",
+            "0",
+            "--wire-dtype",
+            self.wire_dtype,
+        ]
+        if keys:
+            cmd += [
+                "--curve-secret",
+                str(keys.server_secret),
+                "--curve-authorized",
+                str(keys.authorized),
+            ]
+        self.procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if time.monotonic() > deadline or self.procs[-1].poll() is not None:
+                raise RuntimeError("shard daemon did not start")
+            time.sleep(0.05)
+        return ready.read_text().strip()
 
     def _join(self, transport: str) -> PSClient:
         """A client of its own (model, worker name) for ``transport``, registered and pulled."""
         weight = torch.nn.Parameter(torch.randn(self.numel) * 0.01)
         weight.grad = torch.randn(self.numel) * 1e-4
-        plan = ShardingPlan.build([("w", weight, True)], len(self.addresses), 4 << 20)
+        plan = ShardingPlan.build(
+            [("w", weight, True)], len(self.addresses), 4 << 20, self.wire_dtype
+        )
         client = PSClient(
             self.addresses,
             plan,
@@ -163,8 +186,12 @@ class WaveletPS:
             keys=self.keys.client("bench") if self.keys else None,
             transport=transport,
         )
-        client.register(0)
-        self.waves[transport] = [client, client.pull(0), 0, weight]
+        try:
+            client.register(0)
+            self.waves[transport] = [client, client.pull(0), 0, weight]
+        except BaseException:
+            client.close()
+            raise
         return client
 
     def step_over(self, transport: str):
@@ -178,6 +205,20 @@ class WaveletPS:
         client, pulled, clock, _ = wave
         wave[1] = client.push_pull(clock, pulled.versions)
         wave[2] = clock + 1
+
+    def shard_bytes(self) -> int:
+        """Bytes all shards received and sent over ZeroMQ so far, from their own counters."""
+        total = 0
+        for url in sorted((self.run_dir / "metrics").glob("ps-*.url")):
+            with urllib.request.urlopen(url.read_text().strip(), timeout=10) as reply:
+                for line in reply.read().decode().splitlines():
+                    name = line.split("{")[0]
+                    if name in (
+                        "wavelet_shard_received_bytes_total",
+                        "wavelet_shard_sent_bytes_total",
+                    ):
+                        total += int(float(line.rsplit(" ", 1)[1]))
+        return total
 
     def add_slow_readers(self, readers: int, pulls: int = 6) -> None:
         """``readers`` clients per shard that each ask for the weights ``pulls`` times and
@@ -308,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {
         "wavelet PS push+pull, shared memory": [],
         "wavelet PS push+pull, TCP": [],
+        "wavelet PS push+pull, bf16 wire, shared memory": [],
+        "wavelet PS push+pull, bf16 wire, TCP": [],
         "raw pyzmq same bytes": [],
         "gloo all_reduce (2 procs)": [],
     }
@@ -319,6 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ps = WaveletPS(args.shards, args.numel, Path(tmp))
         shm_step = ps.step_over("shm")
+        ps16 = WaveletPS(args.shards, args.numel, Path(tmp), wire_dtype="bf16")
+        shm16_step = ps16.step_over("shm")
+        moved: dict[str, list[float]] = {}  # per PS row: bytes per round trip, per round
+
+        def timed_ps(name: str, step, server: WaveletPS) -> None:
+            before = server.shard_bytes()
+            times[name] += _timed(step, args.iters)
+            moved.setdefault(name, []).append((server.shard_bytes() - before) / args.iters)
+
         secure = WaveletPS(args.shards, args.numel, Path(tmp), curve=True) if args.curve else None
         slowed = {}
         for n in readers:
@@ -328,13 +380,15 @@ def main(argv: list[str] | None = None) -> int:
         gloo = Gloo(args.numel, args.iters)
         try:
             extra = tuple(x.step for x in (secure, *slowed.values()) if x)
-            for step in (shm_step, ps.step, raw.step, *extra):
+            for step in (shm_step, ps.step, shm16_step, ps16.step, raw.step, *extra):
                 # warm-up: first touches page in buffers
                 _timed(step, 2)
             for r in range(args.rounds):
                 times["raw pyzmq same bytes"] += _timed(raw.step, args.iters)
-                times["wavelet PS push+pull, shared memory"] += _timed(shm_step, args.iters)
-                times["wavelet PS push+pull, TCP"] += _timed(ps.step, args.iters)
+                timed_ps("wavelet PS push+pull, shared memory", shm_step, ps)
+                timed_ps("wavelet PS push+pull, TCP", ps.step, ps)
+                timed_ps("wavelet PS push+pull, bf16 wire, shared memory", shm16_step, ps16)
+                timed_ps("wavelet PS push+pull, bf16 wire, TCP", ps16.step, ps16)
                 if secure:
                     times["wavelet PS push+pull, CURVE"] += _timed(secure.step, args.iters)
                 for n, slow in slowed.items():
@@ -349,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             ps.close()
+            ps16.close()
             for extra_ps in (secure, *slowed.values()):
                 if extra_ps:
                     extra_ps.close()
@@ -364,15 +419,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Per process, each method sends and receives the tensor's size once (a 2-rank ring
     # all_reduce sends 2 * (n - 1) / n of it and receives as much), so GB/s compare directly.
+    # GB/s counts the fp32 tensor's bytes for every row (bf16 rows: the job done per second);
+    # "MB per round trip" is what the shards' counters saw cross ZeroMQ.
     print(
-        "| method | median ms | GB/s (bytes sent + received) | throughput vs raw pyzmq | "
-        "time vs gloo all_reduce | speed vs PS over TCP |"
+        "| method | median ms | GB/s (fp32 bytes sent + received) | MB per round trip "
+        "(shard counters) | throughput vs raw pyzmq | time vs gloo all_reduce | "
+        "speed vs PS over TCP |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, t in medians.items():
+        wire = f"{statistics.median(moved[name]) / 1e6:.1f}" if name in moved else "-"
         print(
-            f"| {name} | {1000 * t:.1f} | {2 * nbytes / t / 1e9:.2f} | {raw_t / t:.2f}x | "
-            f"{t / gloo_t:.2f}x | {tcp_t / t:.2f}x |"
+            f"| {name} | {1000 * t:.1f} | {2 * nbytes / t / 1e9:.2f} | {wire} | "
+            f"{raw_t / t:.2f}x | {t / gloo_t:.2f}x | {tcp_t / t:.2f}x |"
         )
     return 0
 

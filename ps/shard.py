@@ -117,7 +117,10 @@ class Shard:
                 self.params[spec.key] = torch.nn.Parameter(value.clone())
             else:
                 self.buffers[spec.key] = value.clone()
-        self.optimizer = self.optimizer_config.build(list(self.params.values()))
+        # a shard the plan gave no trainable chunk (more shards than chunks) has nothing to
+        # optimise; its pushes still count, as versions, so that clocks and bounds agree
+        if self.params:
+            self.optimizer = self.optimizer_config.build(list(self.params.values()))
         self.plan = plan
         return True
 
@@ -196,7 +199,10 @@ class Shard:
 
     def apply(self, grads: dict[int, torch.Tensor], lr_scale: float = 1.0) -> None:
         """One optimizer step with ``grads`` (already validated); bumps the version."""
-        assert self.optimizer is not None
+        if self.optimizer is None:  # no trainable chunks here
+            self.version += 1
+            self.changes += 1
+            return
         self._own_weights()
         for key, p in self.params.items():
             p.grad = grads[key]
@@ -270,8 +276,7 @@ class Shard:
             state.get("wire", ()),  # checkpoints before 16-bit wires: every chunk its own dtype
         )
         self.version = state["version"]
-        if state["optimizer"] is not None:
-            assert self.optimizer is not None
+        if state["optimizer"] is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 
     def state_dict(self) -> dict:

@@ -1,9 +1,10 @@
 """``wavelet compare``: one job in several modes, one after another, side by side.
 
-Modes (``MODES`` below, 10 of them): tick-tock on the PS (over shared memory, over TCP, and with
-the thread pool sized for one wave), one wave per device, two waves started together (no baton),
-two worker processes per device, bulk-synchronous tick-tock, and all-reduce data parallel (one
-rank per device, two, or one with activation checkpointing). Writes
+Modes (``MODES`` below): tick-tock on the PS (over shared memory, over TCP, with the thread pool
+sized for one wave, with asynchronous updates or wave groups, with a bf16 wire), one wave per
+device, two waves started together (no baton), two worker processes per device, bulk-synchronous
+tick-tock, and all-reduce data parallel (one rank per device, two, one with activation
+checkpointing, one with bf16 gradient buckets). Writes
 ``report.md`` (one table, a row per mode), ``accuracy.png``, ``memory.png``, ``metrics.json`` and
 each mode's full run directory with the raw records behind every number.
 """
@@ -118,9 +119,28 @@ MODES: dict[str, Mode] = {
         1.0,
         allreduce=True,
     ),
+    "ticktock-bf16": Mode(
+        "PS, 2 waves tick-tock, gradients and weights in bf16 on the wire (fp32 master weights)",
+        {"schedule": "ticktock"},
+        {"waves": 2, "wire_dtype": "bf16"},
+        None,
+    ),
+    "allreduce-bf16": Mode(
+        "all-reduce DDP, 1 rank per device, gradient buckets all-reduced in bf16 (torch's "
+        "bf16_compress_hook on GPUs; the same cast on CPUs): the fair baseline of a 16-bit PS",
+        {"mode": "allreduce", "processes_per_device": 1},
+        {"waves": 2, "wire_dtype": "bf16"},
+        1.0,
+        allreduce=True,
+    ),
 }
-# allreduce-ckpt is for memory budgets; ticktock-async is ticktock while async is the default
-DEFAULT_MODES = [m for m in MODES if m not in ("allreduce-ckpt", "ticktock-async")]
+# Asked for by name: allreduce-ckpt is for memory budgets, ticktock-async is ticktock while async
+# is the default, and the 16-bit pair compares wire dtypes (--modes ticktock-bf16,allreduce-bf16)
+DEFAULT_MODES = [
+    m
+    for m in MODES
+    if m not in ("allreduce-ckpt", "ticktock-async", "ticktock-bf16", "allreduce-bf16")
+]
 # At a memory budget: the choices of a user whose model does not fit (docs/design.md)
 BUDGET_MODES = ["ticktock", "single", "together", "allreduce", "allreduce2", "allreduce-ckpt"]
 

@@ -12,6 +12,7 @@ import urllib.request
 
 import conftest
 import pytest
+import torch
 from conftest import ShardDaemons, run_wavelet, wait_for
 from helpers import free_port
 
@@ -290,3 +291,26 @@ def test_an_unreadable_reply_is_one_of_the_clients_errors():
     finally:
         replier.join(25)
         liar.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_the_plan_gives_no_chunk_still_serves_the_job(shard_daemons):
+    """More shards than chunks (a one-tensor model on 2 shards): the empty shard builds no
+    optimizer, takes its pushes as versions, and the other trains (bench_ps.py met this)."""
+    from helpers import client_for
+
+    model = torch.nn.Linear(4, 1, bias=False)
+    daemons = shard_daemons([], count=2)
+    c = client_for(model, daemons.addresses)
+    try:
+        c.register(0)
+        assert [len(chunks) for chunks in c.chunks] == [1, 0]
+        before = model.weight.detach().clone()
+        pulled = c.pull(0)
+        for clock in range(3):
+            model.weight.grad = torch.ones_like(model.weight)
+            pulled = c.push_pull(clock, pulled.versions)
+        assert pulled.versions == [3, 3]
+        assert not torch.equal(model.weight, before)
+    finally:
+        c.close()

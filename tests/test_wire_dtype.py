@@ -1,9 +1,12 @@
 """16-bit tensors on the wire: shards keep fp32 master weights, refuse the wrong dtype, cast their
 weights once per change; waves cast, clamp fp16 overflows and carry rounding residuals."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from helpers import ServiceWave, service_for, tiny_model
+from helpers import ServiceWave, free_port, service_for, tiny_model
 
 from wavelet.common.config import OptimizerConfig
 from wavelet.common.protocol import ErrorCode, Op, decode, encode
@@ -143,3 +146,50 @@ def test_error_feedback_carries_the_rounding_residual_into_the_next_push():
     exact = 8 * g[0]
     assert torch.equal(totals[False], 8 * g[0].to(torch.bfloat16).float())  # the loss adds up
     assert (totals[True] - exact).abs().max() < (totals[False] - exact).abs().max() / 4
+
+
+RANK = """
+import os, sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from wavelet.worker.allreduce import compress_gradients
+
+rank, port, wire_dtype, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+torch.set_num_threads(1)
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+model = torch.nn.Linear(64, 1, bias=False)
+torch.nn.init.constant_(model.weight, 0.0)
+ddp = DistributedDataParallel(model)
+compress_gradients(ddp, wire_dtype)
+ddp(torch.full((1, 64), 1.0 + rank / 3.0)).sum().backward()  # gradients 1 and 4/3
+if rank == 0:
+    torch.save(model.weight.grad.clone(), out)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("wire_dtype,wire", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_all_reduce_compresses_gradient_buckets_to_the_wire_dtype(tmp_path, wire_dtype, wire):
+    """Two gloo ranks: the averaged gradient is the mean of 16-bit halves, summed in 16 bits."""
+    out, port = tmp_path / "grad.pt", str(free_port())
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", RANK, str(r), port, wire_dtype, str(out)])
+        for r in range(2)
+    ]
+    try:
+        assert [p.wait(timeout=60) for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    got = torch.load(out)
+    halves = [torch.tensor(v / 2).to(wire) for v in (1.0, 4.0 / 3.0)]
+    want = (halves[0] + halves[1]).float()  # summed in the wire dtype, widened back
+    assert torch.equal(got, torch.full((1, 64), float(want)))
+    assert float(want) != 7.0 / 6.0  # the rounding shows: fp32 would give the exact mean
