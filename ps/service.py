@@ -384,7 +384,8 @@ class ShardService:
         header = reply_header(request_id, body)
         header.keys = self.shard.keys
         peer = peer.identity if isinstance(peer, Peer) else peer
-        values = self.shard.values() if master else self.shard.wire_values()
+        # into a shared-memory segment the copy casts on its way (one pass, no 16-bit copy)
+        values = self.shard.values() if master or shm else self.shard.wire_values()
         return self.datapath.weights_reply(peer, header, values, wave, shm)
 
     # --- membership, admin, errors ------------------------------------------------------------

@@ -159,6 +159,12 @@ class WaveDataPath:
     # --- one chunk ----------------------------------------------------------------------------
 
     def _gradient_into(self, chunk: Chunk, out: torch.Tensor) -> None:
+        wire = chunk.wire_desc.torch_dtype
+        if wire == torch.bfloat16 and not self.error_feedback:
+            source = self._source(chunk)
+            if source is not None and source.device.type == "cpu":
+                out.copy_(source)  # the copy casts on its way: one pass, no 16-bit copy
+                return
         value = self._outgoing(chunk)
         if value is None:  # a parameter this batch did not touch
             out.zero_()
@@ -176,12 +182,9 @@ class WaveDataPath:
     def _outgoing(self, chunk: Chunk) -> torch.Tensor | None:
         """What a push carries for ``chunk``, in its wire dtype, where the tensor lives: the
         gradient of a parameter (None if it has none), the value of a buffer."""
-        t = self.tensors[chunk.name]
-        if chunk.trainable:
-            if t.grad is None:
-                return None
-            t = t.grad
-        view = chunk_view(t.detach(), chunk)
+        view = self._source(chunk)
+        if view is None:
+            return None
         wire = chunk.wire_desc.torch_dtype
         if view.dtype == wire:
             return view
@@ -200,6 +203,15 @@ class WaveDataPath:
         if chunk.trainable and self.error_feedback:
             self._residual[chunk.key] = view - sent.to(view.dtype)
         return sent
+
+    def _source(self, chunk: Chunk) -> torch.Tensor | None:
+        """The chunk's gradient (None if it has none) or buffer value, as the model holds it."""
+        t = self.tensors[chunk.name]
+        if chunk.trainable:
+            if t.grad is None:
+                return None
+            t = t.grad
+        return chunk_view(t.detach(), chunk)
 
     def _host(self, tensor: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         """``tensor`` on the host: itself on CPU, a pinned staging copy from a GPU."""
