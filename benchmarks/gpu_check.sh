@@ -59,6 +59,8 @@ if [ $DRY = 1 ]; then
     COMPARE=(--config configs/digits.toml --epochs 0 --max-seconds 3 --target-acc 0.9)
     MODES=ticktock,allreduce
     CAP=()
+    JOB16=(--epochs 1 --model mlp)  # fp16 convolutions crawl on a CPU
+    RUNS16="fp16/ps"  # the path with the most parts; tests cover the others
 else
     DEVICE=cuda:0
     JOB=()
@@ -73,12 +75,22 @@ else
              --batch-size "$BATCH" --epochs 0 --max-seconds 40 --target-acc 0.3)
     MODES=ticktock,single,together,allreduce,allreduce2
     CAP=(--cuda-memory-gib "$CAP_GIB")
+    JOB16=(--epochs 5)
+    RUNS16="bf16/ps bf16/allreduce fp16/ps fp16/allreduce"
 fi
 
 step "3. GPU tests, and the default job on $DEVICE"
 "$PY" -m pytest -m gpu -n 0 -q -p no:cacheprovider tests 2>&1 | tail -5
 "${WAVELET[@]}" launch --devices "$DEVICE" "${JOB[@]}" --run-dir "$OUT/default-job" \
     | tail -8
+
+step "3b. 16-bit on $DEVICE: bf16 and fp16 compute, each with its wire dtype, PS and all-reduce"
+for run in $RUNS16; do
+    p=${run%/*}; mode=${run#*/}
+    echo "--- precision $p, wire $p, $mode"
+    "${WAVELET[@]}" launch --devices "$DEVICE" "${JOB16[@]}" --mode "$mode" --precision "$p" \
+        --wire-dtype "$p" --run-dir "$OUT/16bit-$p-$mode" | grep -E "final|throughput|precision"
+done
 
 step "4. wavelet compare on $DEVICE: $MODES"
 "${WAVELET[@]}" compare --devices "$DEVICE" "${COMPARE[@]}" "${CAP[@]}" --modes "$MODES" \

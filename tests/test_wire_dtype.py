@@ -193,3 +193,21 @@ def test_all_reduce_compresses_gradient_buckets_to_the_wire_dtype(tmp_path, wire
     want = (halves[0] + halves[1]).float()  # summed in the wire dtype, widened back
     assert torch.equal(got, torch.full((1, 64), float(want)))
     assert float(want) != 7.0 / 6.0  # the rounding shows: fp32 would give the exact mean
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("wire_dtype,wire", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_a_gpu_wave_casts_on_the_device_and_stages_16_bit_host_copies(wire_dtype, wire):
+    model, data = _data_path(wire_dtype)
+    model.cuda()
+    data.tensors = {n: t for n, t, _ in model_tensors(model)}
+    model.weight.grad = torch.full_like(model.weight, 1.0 + 2**-9)
+    (sent,) = data.gradients(0)
+    data.flush()
+    assert sent.device.type == "cpu" and sent.is_pinned() and sent.dtype == wire
+    assert torch.equal(sent, model.weight.grad.view(-1).cpu().to(wire))
+    (weights,) = data.weights(0)  # an init seeds the shard in full precision
+    data.flush()
+    assert weights.dtype == torch.float32
+    assert torch.equal(weights, model.weight.detach().view(-1).cpu())
