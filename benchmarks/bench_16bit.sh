@@ -13,6 +13,8 @@ W=${WAVELET:-.venv/bin/wavelet}
 OUT=${OUT:-runs/bench-16bit}
 SEEDS=${SEEDS:-0 1 2}
 JOBS=${JOBS:-default narrow}
+# wire-fp16, wire-bf16-ef (error feedback): more variants, by name
+VARIANTS=${VARIANTS:-fp32 wire-bf16 compute-bf16}
 mkdir -p "$OUT"
 for job in $JOBS; do
     case $job in
@@ -22,11 +24,14 @@ for job in $JOBS; do
     esac
     for seed in $SEEDS; do
         for mode in ps allreduce; do
-            for variant in fp32 wire-bf16 compute-bf16; do
+            for variant in $VARIANTS; do
                 case $variant in
                     fp32) extra=() ;;
                     wire-bf16) extra=(--wire-dtype bf16) ;;
+                    wire-fp16) extra=(--wire-dtype fp16) ;;
+                    wire-bf16-ef) extra=(--wire-dtype bf16 --wire-error-feedback true) ;;
                     compute-bf16) extra=(--precision bf16) ;;
+                    *) echo "unknown variant $variant" >&2; exit 2 ;;
                 esac
                 dir="$OUT/$job-$mode-$variant-seed$seed"
                 rm -rf "$dir"

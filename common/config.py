@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from wavelet.common.imports import import_path_of
 from wavelet.common.schedule import SCHEDULES as LR_SCHEDULES
 
 INF = math.inf
@@ -310,6 +311,16 @@ class JobConfig:
     slow_factor: float = setting(1.0, help="experiments: the straggler's slowdown factor")
 
     def __post_init__(self) -> None:
+        # from Python, the job's parts may be the callables themselves (wavelet.JobConfig)
+        for name in ("model", "dataset", "step"):
+            value = getattr(self, name)
+            if callable(value):
+                try:
+                    setattr(self, name, import_path_of(value, name))
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+            elif not isinstance(value, str):
+                raise ConfigError(f"{name} must be a name, an import path or a function")
         check_settings(self)
         for name in ("batch_size", "waves", "shards"):
             _positive(name, getattr(self, name))

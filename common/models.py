@@ -99,7 +99,8 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 64) ->
     return ResNet18(input_shape[0], num_classes, width)
 
 
-_BUILD_LOCK = threading.Lock()
+# reentrant: a user's factory may itself call build_model (wrapping a built-in one)
+_BUILD_LOCK = threading.RLock()
 
 BUILTIN_MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": mlp,

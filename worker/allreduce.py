@@ -106,8 +106,8 @@ def compress_gradients(ddp: DistributedDataParallel, wire_dtype: str) -> None:
     """All-reduce gradient buckets in ``wire_dtype``, the baseline a 16-bit parameter server is
     fair to: torch's bf16 and fp16 compression hooks on GPUs; on CPUs (gloo, where torch's bf16
     hook refuses to run) the same steps: divide by the world size, cast, all-reduce, cast back."""
-    if wire_dtype == "fp32":
-        return
+    if wire_dtype == "fp32" or dist.get_world_size() == 1:
+        return  # nothing travels between one rank and itself
     if next(ddp.parameters()).device.type == "cuda":
         hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
         ddp.register_comm_hook(None, hook[wire_dtype])

@@ -1,0 +1,95 @@
+"""Wavelet from Python: what ``import wavelet`` gives (the top-level package re-exports it).
+
+    import wavelet
+    from mymodels import build_net, my_step  # top-level functions of an importable module
+
+    job = wavelet.JobConfig(model=build_net, step=my_step, dataset="digits", epochs=3)
+    summary = wavelet.launch(job, devices=["cpu"], run_dir="runs/mine")
+    print(summary["test_accuracy"], summary["samples_per_s"])
+    figures = wavelet.compare(job, modes=["ticktock", "allreduce"], target=0.9)
+
+Functions may stand where the command line takes import paths (``model``, ``dataset``, ``step``):
+they are turned into their import path, because every worker is another process that imports
+them; a lambda, a nested function or one defined in the ``__main__`` of a script run by path is
+refused with one ``ConfigError`` saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from wavelet.common.config import ConfigError, JobConfig, LaunchConfig
+from wavelet.scripts.compare import BUDGET_MODES, DEFAULT_MODES
+
+
+class JobFailed(RuntimeError):
+    """A job that did not run to its end: ``exit_code`` as ``wavelet launch`` would exit with,
+    and ``run_dir`` with the logs that say why."""
+
+    def __init__(self, message: str, exit_code: int, run_dir: str):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.run_dir = run_dir
+
+
+def launch(job: JobConfig, *, quiet: bool = False, **settings: Any) -> dict:
+    """Run ``job`` to its end as ``wavelet launch`` does, with ``settings`` of ``LaunchConfig``
+    (``devices``, ``run_dir``, ``mode``, ``transport``, ...); returns the run's summary (its
+    ``summary.json``: test accuracy, samples/s, staleness per wave). Raises ``ConfigError`` for
+    a bad setting and ``JobFailed`` when the job stops early."""
+    known = {f.name for f in dataclasses.fields(LaunchConfig)} - {"job"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigError(f"unknown launch setting {unknown[0]!r}; known: {sorted(known)}")
+    settings.setdefault("run_dir", f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    config = LaunchConfig(job=job, **settings)
+    from wavelet.scripts.launch import launch as launch_job
+
+    code = launch_job(config, quiet=quiet)
+    if code != 0:
+        raise JobFailed(
+            f"the job stopped with exit code {code}; its logs are in {config.run_dir}/logs",
+            code,
+            config.run_dir,
+        )
+    return json.loads((Path(config.run_dir) / "summary.json").read_text())
+
+
+def compare(
+    job: JobConfig,
+    modes: Sequence[str] | None = None,
+    *,
+    out: str | Path | None = None,
+    target: float = 0.97,
+    devices: Sequence[str] = ("cpu",),
+    memory_budget: str = "",
+    lr_scaling: str = "linear",
+) -> dict[str, dict]:
+    """``job`` in several modes side by side, as ``wavelet compare`` does (``report.md`` and the
+    runs in ``out``); per mode its figures (samples/s, time to ``target``, final accuracy,
+    memory, staleness) or ``{"error": why}``."""
+    from wavelet.scripts.budget import parse_budget
+    from wavelet.scripts.compare import compare as compare_modes
+    from wavelet.scripts.compare import plan_budget
+
+    out = Path(out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    plan = None
+    if memory_budget:
+        plan = plan_budget(job, parse_budget(memory_budget), devices[0], lr_scaling)
+    modes = list(modes or (BUDGET_MODES if plan else DEFAULT_MODES))
+    try:
+        results = compare_modes(job, list(devices), modes, out, target, budget=plan)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return {
+        r.name: {**r.figures.to_json(), "batch": r.batch} if r.figures else {"error": r.error}
+        for r in results
+    }
+
+
+__all__ = ["ConfigError", "JobConfig", "JobFailed", "LaunchConfig", "compare", "launch"]

@@ -1,0 +1,108 @@
+"""``import wavelet``: JobConfig, launch and compare from Python, with the job's parts given as
+functions (turned into import paths, since every worker is another process that imports them)."""
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+import wavelet
+from wavelet.common.config import JobConfig
+from wavelet.common.models import build_model
+
+PARTS = """
+import torch.nn.functional as F
+
+from wavelet.common.models import build_model
+
+
+def small_mlp(input_shape, num_classes, hidden=32):
+    return build_model("mlp", input_shape, num_classes, 0, hidden=hidden)
+
+
+def smooth_step(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, label_smoothing=0.05)
+
+
+def no_loss(model, batch):
+    x, _ = batch
+    return model(x)  # a batch of outputs, not a scalar loss
+"""
+
+
+@pytest.fixture
+def parts(tmp_path, monkeypatch):
+    """A user's module of job parts, importable here and by the processes launch starts there."""
+    (tmp_path / "myparts.py").write_text(PARTS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield importlib.import_module("myparts")
+    sys.modules.pop("myparts", None)
+
+
+def test_the_package_is_the_api():
+    assert wavelet.JobConfig is JobConfig
+    assert callable(wavelet.launch) and callable(wavelet.compare)
+    assert issubclass(wavelet.ConfigError, ValueError)
+
+
+def test_functions_become_import_paths():
+    job = wavelet.JobConfig(model=build_model)
+    assert job.model == "wavelet.common.models:build_model"
+
+
+def _nested():
+    def factory(input_shape, num_classes, seed):
+        return build_model("mlp", input_shape, num_classes, seed)
+
+    return factory
+
+
+@pytest.mark.parametrize(
+    "part,why",
+    [
+        (lambda shape, classes, seed: None, "lambda"),
+        (_nested(), "nested function"),
+        (JobConfig.__post_init__, "method"),
+        (42, "a name, an import path or a function"),
+    ],
+)
+def test_a_part_no_other_process_can_import_is_refused_at_once(part, why):
+    with pytest.raises(wavelet.ConfigError, match=why):
+        wavelet.JobConfig(model=part)
+
+
+def test_a_function_of_a_script_run_by_path_is_refused_with_what_to_do(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import wavelet\n"
+        "def factory(input_shape, num_classes, seed):\n    pass\n"
+        "try:\n    wavelet.JobConfig(model=factory)\n"
+        "except wavelet.ConfigError as e:\n    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert "__main__" in done.stdout and "move it into a module" in done.stdout, done.stderr
+
+
+@pytest.mark.timeout(200)
+def test_launch_from_python_trains_with_the_users_functions_and_returns_the_summary(parts):
+    job = wavelet.JobConfig(
+        model=parts.small_mlp, step=parts.smooth_step, model_kwargs={"hidden": 48}, epochs=3
+    )
+    summary = wavelet.launch(job, run_dir="run", quiet=True)
+    assert summary["test_accuracy"] > 0.3  # 3x chance after 3 epochs: it learned
+    saved = json.loads(open("run/job.json").read())
+    assert (saved["model"], saved["step"]) == ("myparts:small_mlp", "myparts:smooth_step")
+
+
+@pytest.mark.timeout(200)
+def test_a_job_that_fails_raises_job_failed_with_its_run_dir(parts):
+    job = wavelet.JobConfig(model="mlp", step=parts.no_loss, epochs=1)
+    with pytest.raises(wavelet.JobFailed) as failed:
+        wavelet.launch(job, run_dir="bad", quiet=True)
+    assert failed.value.exit_code == 1 and failed.value.run_dir == "bad"
+    with pytest.raises(wavelet.ConfigError, match="unknown launch setting 'device'"):
+        wavelet.launch(job, device="cpu")
