@@ -3,8 +3,9 @@
 # table): each job with fp32 everywhere, with a bf16 wire (--wire-dtype bf16: 16-bit gradients
 # and weights between waves and shards, or all-reduced buckets) and with bf16 compute
 # (--precision bf16), under tick-tock on the PS and under all-reduce, for several seeds.
-# Jobs: the default job (digits, 15 epochs) and the narrow ResNet at a fixed number of epochs
-# (not its 60 s budget, so every run takes the same steps). Summary: benchmarks/summarize_16bit.py.
+# Jobs: the default job (digits, 15 epochs; default2: on two CPU workers, so that all-reduce has
+# buckets to compress: one rank alone moves nothing) and the narrow ResNet at a fixed number of
+# epochs (not its 60 s budget, so every run takes the same steps). Summary: benchmarks/summarize_16bit.py.
 # About 4 minutes per seed for the default job and 6 for the narrow ResNet on 2 cores; run
 # nothing else meanwhile. Usage: SEEDS="0 1 2" JOBS="default narrow" bash benchmarks/bench_16bit.sh
 set -euo pipefail
@@ -19,8 +20,9 @@ mkdir -p "$OUT"
 for job in $JOBS; do
     case $job in
         default) args=() ;;
+        default2) args=(--devices cpu,cpu) ;;  # two workers: all-reduce moves its buckets
         narrow) args=(--config configs/narrow_resnet.toml --epochs 2 --max-seconds 0) ;;
-        *) echo "unknown job $job (default, narrow)" >&2; exit 2 ;;
+        *) echo "unknown job $job (default, default2, narrow)" >&2; exit 2 ;;
     esac
     for seed in $SEEDS; do
         for mode in ps allreduce; do

@@ -32,7 +32,7 @@ for module in zmq pytest pytest_timeout xdist; do
 done
 if ! "$PY" -c "import wavelet.scripts.cli" 2>/dev/null; then
     SHIM=$(mktemp -d)
-    mkdir "$SHIM/wavelet" && touch "$SHIM/wavelet/__init__.py"
+    mkdir "$SHIM/wavelet" && ln -s "$PWD/scripts/package/__init__.py" "$SHIM/wavelet/__init__.py"
     for d in common ps worker scripts; do ln -s "$PWD/$d" "$SHIM/wavelet/$d"; done
     export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
