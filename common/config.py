@@ -236,6 +236,14 @@ class JobConfig:
         help="16-bit wire: each wave keeps the rounding residual of its gradients and adds it "
         "to its next push",
     )
+    loader_workers: int = setting(
+        0,
+        help="a dataset factory returning (train, test) torch Datasets: DataLoader worker "
+        "processes per wave (0: read in the wave's thread)",
+    )
+    collate_fn: str = setting(
+        "", help="such a dataset: the DataLoader's collate_fn as package.module:function"
+    )
     batch_size: int = setting(32, help="samples per step, per wave")
     epochs: int = setting(15, help="passes over each wave's part of the data")
     max_seconds: float = setting(0.0, help="wall-clock budget per wave; 0: epochs alone decide")
@@ -324,7 +332,7 @@ class JobConfig:
         check_settings(self)
         for name in ("batch_size", "waves", "shards"):
             _positive(name, getattr(self, name))
-        for name in ("epochs", "eval_every", "memory_trace_iters", "seed"):
+        for name in ("epochs", "eval_every", "memory_trace_iters", "seed", "loader_workers"):
             _non_negative(name, getattr(self, name))
         for name in ("max_seconds",):
             _non_negative(name, getattr(self, name))

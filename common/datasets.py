@@ -1,16 +1,20 @@
 """Built-in datasets, and a user's own by import path (``package.module:function``).
 
-A dataset factory takes ``seed`` and its keyword arguments and returns a ``Dataset`` of in-memory
-tensors. Every process builds the same dataset and takes its own disjoint part of the training set
-(``Dataset.part``), so no data moves over the network.
+A dataset factory takes ``seed`` and its keyword arguments and returns either a ``Dataset`` of
+in-memory tensors (the fast path) or a pair ``(train, test)`` of map-style
+``torch.utils.data.Dataset`` objects, read through a ``DataLoader`` per wave (``LoaderDataset``:
+any size, from disk, with loader workers). Every process builds the same dataset and takes its
+own disjoint part of the training set (``part``), so no data moves over the network.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.utils.data as tud
 
 from wavelet.common.imports import import_callable
 
@@ -33,6 +37,20 @@ class Dataset:
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.train_x.shape[1:])
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_x)
+
+    def sample_batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``size`` training samples, repeated when there are fewer (probes that
+        only need a batch's shape and real labels)."""
+        idx = torch.arange(size) % len(self.train_x)
+        return self.train_x[idx].clone(), self.train_y[idx].clone()
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, len(self.test_x), batch_size):
+            yield self.test_x[start : start + batch_size], self.test_y[start : start + batch_size]
 
     def part(self, index: int, count: int, seed: int) -> DataPart:
         """Training part ``index`` of ``count`` equal, disjoint parts (a remainder is dropped so
@@ -67,6 +85,127 @@ class DataPart:
 
     def steps_per_epoch(self, batch_size: int) -> int:
         return len(self.x) // batch_size
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """How a wave's ``DataLoader`` reads a ``torch.utils.data.Dataset`` (the job's ``loader_*``
+    settings); pinned memory follows the device."""
+
+    workers: int = 0
+    collate_fn: str = ""  # package.module:function, or the DataLoader's default
+    pin_memory: bool = False
+
+    def collate(self) -> Callable | None:
+        return import_callable(self.collate_fn, "collate_fn", {}) if self.collate_fn else None
+
+
+@dataclass
+class LoaderDataset:
+    """A user's map-style ``(train, test)`` datasets behind the in-memory ``Dataset``'s
+    interface. ``num_classes``: the train set's ``num_classes`` or ``len(classes)`` attribute (as
+    torchvision's have), else 0 (unknown: a factory that needs it must be given it)."""
+
+    train: tud.Dataset
+    test: tud.Dataset
+    loader: LoaderSettings = field(default_factory=LoaderSettings)
+
+    def __post_init__(self) -> None:
+        for name in ("train", "test"):
+            d = getattr(self, name)
+            try:
+                len(d)
+            except TypeError:
+                raise TypeError(
+                    f"the {name} dataset {type(d).__name__} has no len(): Wavelet reads "
+                    "map-style datasets (with __len__ and __getitem__)"
+                ) from None
+        if len(self.train) == 0:
+            raise ValueError("dataset has no training samples")
+        first = self.train[0]
+        if not (isinstance(first, tuple | list) and len(first) == 2):
+            raise TypeError(
+                f"the train dataset's samples are {type(first).__name__}, not (input, target) pairs"
+            )
+        self.input_shape = tuple(torch.as_tensor(first[0]).shape)
+        classes = getattr(self.train, "num_classes", None)
+        if classes is None:
+            classes = len(getattr(self.train, "classes", ()))
+        self.num_classes = int(classes)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train)
+
+    def part(self, index: int, count: int, seed: int) -> LoaderPart:
+        if len(self.train) // count == 0:
+            raise ValueError(f"{len(self.train)} training samples cannot feed {count} waves")
+        return LoaderPart(self.train, index, count, seed, self.loader)
+
+    def sample_batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = [i % len(self.train) for i in range(size)]
+        x, y = self._collate()([self.train[i] for i in indices])
+        return x, y
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield from self._loader(self.test, batch_size)
+
+    def _collate(self) -> Callable:
+        return self.loader.collate() or tud.default_collate
+
+    def _loader(self, data: tud.Dataset, batch_size: int, **kw) -> tud.DataLoader:
+        return tud.DataLoader(
+            data,
+            batch_size=batch_size,
+            num_workers=self.loader.workers,
+            pin_memory=self.loader.pin_memory,
+            collate_fn=self.loader.collate(),
+            **kw,
+        )
+
+
+class LoaderPart:
+    """One wave's part of a map-style training set: as ``DistributedSampler`` does, every epoch
+    reshuffles the whole set with the job's seed and part ``index`` of ``count`` takes every
+    ``count``-th sample of it, so the parts of one epoch are disjoint and all the same size."""
+
+    def __init__(
+        self, data: tud.Dataset, index: int, count: int, seed: int, loader: LoaderSettings
+    ):
+        self.sampler = tud.DistributedSampler(
+            data, num_replicas=count, rank=index, shuffle=True, seed=seed, drop_last=True
+        )
+        self.data, self.settings = data, loader
+        self._loaders: dict[int, tud.DataLoader] = {}
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        return len(self.sampler) // batch_size
+
+    def batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Any]:
+        """Full batches of this epoch's part (``seed``, the wave's own, is not needed: the
+        sampler's order is the job's, so that parts stay disjoint)."""
+        loader = self._loaders.get(batch_size)
+        if loader is None:
+            workers = self.settings.workers
+            loader = tud.DataLoader(
+                self.data,
+                batch_size=batch_size,
+                sampler=self.sampler,
+                drop_last=True,
+                num_workers=workers,
+                pin_memory=self.settings.pin_memory,
+                collate_fn=self.settings.collate(),
+                persistent_workers=workers > 0,
+            )
+            self._loaders[batch_size] = loader
+        self.sampler.set_epoch(epoch)
+        yield from loader
 
 
 def digits(seed: int = 0, test_fraction: float = 0.2, max_shift: int = 1) -> Dataset:
@@ -140,9 +279,20 @@ BUILTIN_DATASETS: dict[str, Callable[..., Dataset]] = {
 }
 
 
-def build_dataset(name: str, seed: int, **kwargs) -> Dataset:
+def build_dataset(
+    name: str, seed: int, loader: LoaderSettings | None = None, **kwargs
+) -> Dataset | LoaderDataset:
     factory = BUILTIN_DATASETS.get(name) or import_callable(name, "dataset", BUILTIN_DATASETS)
     data = factory(seed=seed, **kwargs)
-    if not isinstance(data, Dataset):
-        raise TypeError(f"dataset factory {name!r} returned {type(data).__name__}, not Dataset")
-    return data
+    if isinstance(data, Dataset):
+        return data
+    if (
+        isinstance(data, tuple | list)
+        and len(data) == 2
+        and all(isinstance(d, tud.Dataset) for d in data)
+    ):
+        return LoaderDataset(data[0], data[1], loader or LoaderSettings())
+    raise TypeError(
+        f"dataset factory {name!r} returned {type(data).__name__}: return a "
+        "wavelet.common.datasets.Dataset, or a (train, test) pair of torch.utils.data.Dataset"
+    )

@@ -5,15 +5,24 @@ from __future__ import annotations
 import torch
 
 from wavelet.common.config import ConfigError, JobConfig
-from wavelet.common.datasets import Dataset, build_dataset
+from wavelet.common.datasets import Dataset, LoaderDataset, LoaderSettings, build_dataset
 from wavelet.common.models import build_model
 from wavelet.common.step import load_step
 
 
+def loader_settings(job: JobConfig, device: str | torch.device = "cpu") -> LoaderSettings:
+    """How the job's waves read a map-style dataset; pinned host memory when a GPU computes."""
+    return LoaderSettings(
+        job.loader_workers, job.collate_fn, pin_memory=torch.device(device).type == "cuda"
+    )
+
+
 def build_dataset_and_model(
     job: JobConfig, device: str | torch.device = "cpu"
-) -> tuple[Dataset, torch.nn.Module]:
-    dataset = build_dataset(job.dataset, job.seed, **job.dataset_kwargs)
+) -> tuple[Dataset | LoaderDataset, torch.nn.Module]:
+    dataset = build_dataset(
+        job.dataset, job.seed, loader_settings(job, device), **job.dataset_kwargs
+    )
     model = build_model(
         job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
     )
@@ -31,9 +40,14 @@ def check_job(job: JobConfig, total_waves: int) -> None:
         load_step(job.step, job.precision)
     except ValueError as e:
         raise ConfigError(f"cannot load the job's step: {e}") from None
-    per_wave = len(dataset.train_x) // total_waves
+    if job.collate_fn:
+        try:
+            LoaderSettings(collate_fn=job.collate_fn).collate()
+        except ValueError as e:
+            raise ConfigError(f"cannot load the job's collate_fn: {e}") from None
+    per_wave = dataset.num_train // total_waves
     if per_wave < job.batch_size:
         raise ConfigError(
-            f"{len(dataset.train_x)} training samples give each of {total_waves} waves "
+            f"{dataset.num_train} training samples give each of {total_waves} waves "
             f"{per_wave}, fewer than batch_size {job.batch_size}; lower --batch-size"
         )

@@ -109,14 +109,10 @@ class ActivationProbe:
         return self._peaks[batch]
 
     def _measure(self, batch: int) -> int:
-        x = self.dataset.train_x[:batch]
-        while len(x) < batch:  # a probe beyond the data: repeat it (only its size matters)
-            x = torch.cat([x, self.dataset.train_x[: batch - len(x)]])
-        x = x.to(self.device).clone()  # its own storage: a slice would count the whole dataset
-        y = self.dataset.train_y[: len(x)]  # the job's step may read the labels: real ones
-        while len(y) < batch:
-            y = torch.cat([y, self.dataset.train_y[: batch - len(y)]])
-        y = y.to(self.device).clone()
+        # real samples (the job's step may read the labels), repeated beyond the data, in
+        # storage of their own (a slice would count the whole dataset)
+        x, y = self.dataset.sample_batch(batch)
+        x, y = x.to(self.device).clone(), y.to(self.device).clone()
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()

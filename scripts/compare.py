@@ -185,7 +185,7 @@ def mode_job(
     probe = ActivationProbe(job, bool(mode.job.get("activation_checkpointing")), device)
     processes = len(devices) * mode.launch.get("processes_per_device", 1)
     tasks = processes if mode.allreduce else processes * run_job.waves
-    limit = len(probe.dataset.train_x) // tasks  # a task needs a full batch of its data part
+    limit = probe.dataset.num_train // tasks  # a task needs a full batch of its data part
     batch, peak = largest_batch(probe, mode.at_once(run_job), plan.budget_bytes, limit)
     # all-reduce: launch gives each rank batch_size x waves / processes_per_device
     per_device = mode.launch.get("processes_per_device", 1)

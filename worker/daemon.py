@@ -20,6 +20,7 @@ import zmq
 
 from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import build_dataset
+from wavelet.common.job import loader_settings
 from wavelet.common.machine import usable_cores
 from wavelet.common.models import build_model
 from wavelet.common.step import load_step
@@ -45,7 +46,8 @@ class WorkerDaemon:
     def run(self) -> int:
         """Train all waves to the end; 0 on success, 1 if any wave failed."""
         cfg, job = self.config, self.config.job
-        dataset = build_dataset(job.dataset, job.seed, **job.dataset_kwargs)
+        settings = loader_settings(job, cfg.device)
+        dataset = build_dataset(job.dataset, job.seed, settings, **job.dataset_kwargs)
         choice = self._threads(dataset)
         torch.set_num_threads(choice.threads)
         cap_cuda_memory(torch.device(cfg.device), cfg.cuda_memory_gib)
@@ -117,7 +119,7 @@ class WorkerDaemon:
             job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
         )
         part = dataset.part(0, 1, job.seed)
-        x, y = next(iter(part.batches(min(job.batch_size, len(part.x)), 0, job.seed)))
+        x, y = dataset.sample_batch(min(job.batch_size, len(part)))
         return choose_threads(model, (x, y), budget, job.waves, load_step(job.step, job.precision))
 
 

@@ -6,7 +6,7 @@ import torch
 import zmq
 
 from wavelet.common.config import JobConfig
-from wavelet.common.datasets import Dataset
+from wavelet.common.datasets import Dataset, LoaderDataset
 from wavelet.common.job import build_dataset_and_model
 from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import ShardingPlan, model_tensors
@@ -15,18 +15,21 @@ from wavelet.worker.client import PSClient
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 512
+    model: torch.nn.Module,
+    dataset: Dataset | LoaderDataset,
+    device: torch.device,
+    batch_size: int = 512,
 ) -> float:
     """Top-1 accuracy on the test set (model in eval mode: BatchNorm uses running statistics)."""
     was_training = model.training
     model.eval()
-    correct = 0
-    for start in range(0, len(dataset.test_x), batch_size):
-        x = dataset.test_x[start : start + batch_size].to(device)
-        y = dataset.test_y[start : start + batch_size].to(device)
+    correct = seen = 0
+    for x, y in dataset.test_batches(batch_size):
+        x, y = x.to(device), y.to(device)
         correct += int((model(x).argmax(1) == y).sum())
+        seen += len(y)
     model.train(was_training)
-    return correct / max(1, len(dataset.test_x))
+    return correct / max(1, seen)
 
 
 def evaluate_shards(

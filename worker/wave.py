@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from wavelet.common.config import WorkerConfig
-from wavelet.common.datasets import Dataset
+from wavelet.common.datasets import Dataset, LoaderDataset
 from wavelet.common.models import build_model, checkpoint_blocks
 from wavelet.common.protocol import ShardError, wave_name
 from wavelet.common.records import RecordWriter
@@ -52,7 +52,7 @@ class Wave:
         self,
         ident: WaveIdentity,
         config: WorkerConfig,
-        dataset: Dataset,
+        dataset: Dataset | LoaderDataset,
         baton: ForwardBaton | NoBaton,
         stop: threading.Event,
         context: zmq.Context,
@@ -109,7 +109,7 @@ class Wave:
         if steps == 0:
             raise ValueError(
                 f"batch size {job.batch_size} exceeds this wave's "
-                f"{len(part.x)} samples; lower --batch-size"
+                f"{len(part)} samples; lower --batch-size"
             )
         meter = SavedActivationMeter(model.parameters())
         plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes, job.wire_dtype)

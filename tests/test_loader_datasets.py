@@ -1,0 +1,128 @@
+"""A dataset factory may return a (train, test) pair of map-style torch Datasets: each wave reads
+its part through a DataLoader (workers, a collate_fn by import path), the parts of an epoch are
+disjoint and reshuffled every epoch, and a dataset that reads every sample from a file trains."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.data as tud
+from conftest import run_wavelet
+
+from wavelet.common.datasets import LoaderDataset, LoaderSettings, build_dataset
+
+FILES = '''
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+class Files(Dataset):
+    """One .npy file per sample, its class in its name: nothing is held in memory."""
+
+    classes = ["a", "b", "c", "d"]
+
+    def __init__(self, root):
+        self.paths = sorted(Path(root).glob("*.npy"))
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        path = self.paths[i]
+        return torch.from_numpy(np.load(path)), int(path.stem.split("_")[1])
+
+
+def write(root, n, seed):
+    """n samples: each class a fixed 8x8 pattern under noise."""
+    rng = np.random.default_rng(seed)
+    patterns = np.random.default_rng(0).normal(size=(4, 1, 8, 8)).astype(np.float32)
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        c = i % 4
+        x = patterns[c] + 0.5 * rng.normal(size=(1, 8, 8)).astype(np.float32)
+        np.save(Path(root) / f"{i:05d}_{c}.npy", x)
+
+
+def files(seed, root):
+    return Files(Path(root) / "train"), Files(Path(root) / "test")
+
+
+def stack(samples):
+    """A user's collate_fn: the default's, spelled out."""
+    xs, ys = zip(*samples)
+    return torch.stack(xs), torch.tensor(ys)
+
+
+def not_a_dataset(seed):
+    return [1, 2, 3]
+'''
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    (tmp_path / "mydata.py").write_text(FILES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    mydata = importlib.import_module("mydata")
+    mydata.write(tmp_path / "data" / "train", 512, seed=1)
+    mydata.write(tmp_path / "data" / "test", 128, seed=2)
+    yield tmp_path
+    import sys
+
+    sys.modules.pop("mydata", None)
+
+
+class Numbers(tud.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), i
+
+
+def test_the_parts_of_an_epoch_are_disjoint_and_every_epoch_reshuffles():
+    data = LoaderDataset(Numbers(103), Numbers(10))
+    parts = [data.part(i, 3, seed=5) for i in range(3)]
+    assert [len(p) for p in parts] == [34, 34, 34]  # the remainder is dropped
+    epochs = []
+    for epoch in range(2):
+        seen = [torch.cat([y for _, y in p.batches(17, epoch, seed=99)]) for p in parts]
+        everything = torch.cat(seen)
+        assert len(set(everything.tolist())) == len(everything) == 102  # disjoint
+        epochs.append(seen[0].tolist())
+    assert epochs[0] != epochs[1]  # part 0 read other samples in epoch 1
+
+
+def test_a_factory_of_something_else_is_refused_with_what_to_return(project):
+    with pytest.raises(TypeError, match=r"\(train, test\) pair of torch.utils.data.Dataset"):
+        build_dataset("mydata:not_a_dataset", seed=0)
+
+
+def test_samples_from_files_with_a_collate_fn(project):
+    settings = LoaderSettings(workers=0, collate_fn="mydata:stack")
+    data = build_dataset("mydata:files", 0, settings, root=str(project / "data"))
+    assert (data.input_shape, data.num_classes, data.num_train) == ((1, 8, 8), 4, 512)
+    x, y = data.sample_batch(600)  # beyond the data: repeated
+    assert x.shape == (600, 1, 8, 8) and y.dtype == torch.int64
+
+
+@pytest.mark.timeout(240)
+def test_a_dataset_read_from_files_through_loader_workers_trains(project):
+    done = run_wavelet(
+        "launch", "--dataset", "mydata:files", "--set", f"dataset_kwargs.root={project / 'data'}",
+        "--model", "mlp", "--set", "loader_workers=1", "--collate-fn", "mydata:stack",
+        "--epochs", "3", "--threads", "1", "--run-dir", "run", timeout=220, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((project / "run" / "summary.json").read_text())
+    assert summary["test_accuracy"] > 0.5  # 2x chance on 4 classes: it learned
+    # 2 waves of 256 samples each per epoch, 32 a batch, 3 epochs
+    assert summary["samples"] == 3 * 2 * 8 * 32
