@@ -151,7 +151,7 @@ class LoaderDataset:
         return x, y
 
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        yield from self._loader(self.test, batch_size)
+        yield from read_batches(self._loader(self.test, batch_size), self.loader)
 
     def _collate(self) -> Callable:
         return self.loader.collate() or tud.default_collate
@@ -205,7 +205,34 @@ class LoaderPart:
             )
             self._loaders[batch_size] = loader
         self.sampler.set_epoch(epoch)
-        yield from loader
+        yield from read_batches(loader, self.settings)
+
+
+class DataError(ValueError):
+    """Reading a batch of a user's dataset failed: which part of the pipeline, and why."""
+
+
+def read_batches(loader: tud.DataLoader, settings: LoaderSettings) -> Iterator[Any]:
+    """``loader``'s batches; a failure (the dataset's ``__getitem__``, the collate_fn, a loader
+    worker that died) becomes one ``DataError`` naming the pipeline and the cause."""
+    batches = iter(loader)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:
+            where = (
+                f"collate_fn {settings.collate_fn}"
+                if settings.collate_fn
+                else "the dataset's __getitem__ or the default collate"
+            )
+            workers = f", {settings.workers} loader worker(s)" if settings.workers else ""
+            cause = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            raise DataError(
+                f"reading a batch failed in {where}{workers}: {type(e).__name__}: {cause}"
+            ) from e
+        yield batch
 
 
 def digits(seed: int = 0, test_fraction: float = 0.2, max_shift: int = 1) -> Dataset:

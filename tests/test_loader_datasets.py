@@ -10,7 +10,7 @@ import torch
 import torch.utils.data as tud
 from conftest import run_wavelet
 
-from wavelet.common.datasets import LoaderDataset, LoaderSettings, build_dataset
+from wavelet.common.datasets import DataError, LoaderDataset, LoaderSettings, build_dataset
 
 FILES = '''
 from pathlib import Path
@@ -59,6 +59,10 @@ def stack(samples):
 
 def not_a_dataset(seed):
     return [1, 2, 3]
+
+
+def broken_collate(samples):
+    raise KeyError("label")
 '''
 
 
@@ -126,3 +130,10 @@ def test_a_dataset_read_from_files_through_loader_workers_trains(project):
     assert summary["test_accuracy"] > 0.5  # 2x chance on 4 classes: it learned
     # 2 waves of 256 samples each per epoch, 32 a batch, 3 epochs
     assert summary["samples"] == 3 * 2 * 8 * 32
+
+
+def test_a_failing_collate_fn_is_one_error_naming_it(project):
+    settings = LoaderSettings(collate_fn="mydata:broken_collate")
+    data = build_dataset("mydata:files", 0, settings, root=str(project / "data"))
+    with pytest.raises(DataError, match=r"collate_fn mydata:broken_collate: KeyError: 'label'"):
+        next(iter(data.part(0, 2, seed=0).batches(8, 0, seed=0)))
