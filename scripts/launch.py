@@ -35,6 +35,12 @@ from wavelet.scripts.tensorboard_log import RunBoard
 READY_TIMEOUT_S = 60.0
 
 
+FP16_ON_CPU = (
+    "warning: --precision fp16 on a CPU device: CPU convolutions have no fp16 kernel and run "
+    "over 100x slower than fp32 (benchmarks/bench_precision.py); use --precision bf16 on CPUs"
+)
+
+
 def launch(config: LaunchConfig, quiet: bool = False) -> int:
     """Run the job to the end; 0 on success, 1 if a child failed, 130 on Ctrl-C."""
     job_cfg = _job_per_process(config)
@@ -64,6 +70,8 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
             addresses = []
             workers = _start_ranks(job, job_file, job_cfg)
         _say(quiet, f"run dir {run_dir}: {describe(config, job_cfg)}")
+        if job_cfg.precision == "fp16" and any(d.startswith("cpu") for d in config.devices):
+            print(FP16_ON_CPU, file=sys.stderr)
         if config.metrics_port >= 0:
             urls = metrics_urls(run_dir, len(addresses) + len(workers), alive=job.all_running)
             job.check(allow_exit=tuple(workers))  # a daemon that could not serve them stops it

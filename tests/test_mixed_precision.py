@@ -139,6 +139,7 @@ def test_fp16_steps_that_overflow_are_skipped_counted_and_nothing_hangs(project,
     assert (summary["precision"], summary["wire_dtype"]) == ("fp16", "fp16")
     assert sum(summary["skipped_steps"].values()) == 3
     assert "skipped on fp16 overflow" in done.stdout
+    assert "--precision fp16 on a CPU device" in done.stderr  # said up front, with what to use
     if mode == "ps":  # the shards counted the same skips
         assert sum(w["skipped"] for w in summary["waves"].values()) == 3
     assert summary["test_accuracy"] > 0.2  # twice chance after 3 epochs: it still learned
