@@ -60,7 +60,7 @@ def table(root: Path) -> str:
         lines.append(
             f"| {devices} | {name} | {_fmt(reached)} | {len(reached)}/{len(runs)} "
             f"| {_fmt([r['samples_per_s'] for r in runs], 0)} | {_fmt(samples, 0)} "
-            f"| {_fmt([100 * (r.get('final_accuracy') or 0) for r in runs])}% "
+            f"| {_fmt([100 * (r.get('final_score') or 0) for r in runs])}% "
             f"| {_fmt(stale, 2)} |"
         )
     return "\n".join(lines)

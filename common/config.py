@@ -219,6 +219,21 @@ class JobConfig:
         "package.module:function taking (model, batch) and returning the loss or (loss, "
         "{name: float})",
     )
+    evaluate: str = setting(
+        "accuracy",
+        help="the test-set evaluation: accuracy (top-1), or package.module:function taking "
+        "(model, batches) and returning {metric: value}",
+    )
+    target_metric: str = setting(
+        "accuracy",
+        help="the evaluation's headline metric (progress, summary, time to target in compare "
+        "and tune)",
+    )
+    target_mode: str = setting(
+        "max",
+        help="max: a higher target_metric is better; min: lower (a loss, a perplexity)",
+        choices=("max", "min"),
+    )
     precision: str = setting(
         "fp32",
         help="the forward's precision: fp32, or bf16 or fp16 under torch.autocast (parameters "
@@ -320,7 +335,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         # from Python, the job's parts may be the callables themselves (wavelet.JobConfig)
-        for name in ("model", "dataset", "step"):
+        for name in ("model", "dataset", "step", "evaluate"):
             value = getattr(self, name)
             if callable(value):
                 try:

@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from wavelet.common.evaluation import format_value, reached
 from wavelet.common.records import read_records
 
 Trace = list[tuple[float, int]]  # (wall time, live saved-activation bytes), one point per change
@@ -60,9 +61,12 @@ class RunFigures:
     run_dir: str
     samples_per_s: float = 0.0
     train_seconds: float = 0.0
-    final_accuracy: float | None = None
+    # the job's headline metric (common/evaluation.py): test accuracy unless it names another
+    metric: str = "accuracy"
+    metric_mode: str = "max"
+    final_score: float | None = None
     time_to_target_s: float | None = None
-    accuracy_curve: list[tuple[float, float]] = field(default_factory=list)  # (s since start, acc)
+    score_curve: list[tuple[float, float]] = field(default_factory=list)  # (s since start, value)
     peak_bytes_per_device: dict[str, int] = field(default_factory=dict)
     single_wave_peak_bytes: dict[str, int] = field(default_factory=dict)
     wire_bytes_per_sample: float = 0.0
@@ -81,9 +85,12 @@ class RunFigures:
         ]
         return max(ratios) if ratios else None
 
+    @property
+    def final_text(self) -> str:
+        return format_value(self.metric, self.final_score)
+
     def one_line(self) -> str:
-        acc = f"{100 * self.final_accuracy:.2f}%" if self.final_accuracy is not None else "n/a"
-        return f"final accuracy {acc}, {self.samples_per_s:.0f} samples/s"
+        return f"final {self.metric} {self.final_text}, {self.samples_per_s:.0f} samples/s"
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -91,9 +98,16 @@ class RunFigures:
         return d
 
 
-def run_figures(run_dir: str | Path, target_accuracy: float) -> RunFigures:
+def run_figures(run_dir: str | Path, target: float) -> RunFigures:
+    """What a run dir's records say: throughput, the headline metric over time and time to
+    ``target`` of it (in the direction the job's ``target_mode`` says), memory, staleness."""
     run_dir = Path(run_dir)
     m = RunFigures(str(run_dir))
+    job_file = run_dir / "job.json"
+    if job_file.exists():
+        job = json.loads(job_file.read_text())
+        m.metric = job.get("target_metric", "accuracy")
+        m.metric_mode = job.get("target_mode", "max")
     start = None
     last_t = None
     samples = 0
@@ -118,7 +132,7 @@ def run_figures(run_dir: str | Path, target_accuracy: float) -> RunFigures:
                 m.bound_wait_s += r.get("bound_wait_s", 0.0)
                 last_t = r["t"] if last_t is None else max(last_t, r["t"])
             elif kind == "eval":
-                evals.append((r["t"], r["test_acc"]))
+                evals.append((r["t"], r.get("score", r.get("test_acc"))))
             elif kind == "memory_trace":
                 traces[devices.get(wave, "0")][wave] = [tuple(p) for p in r["trace"]]
     if start is None or last_t is None:
@@ -130,11 +144,13 @@ def run_figures(run_dir: str | Path, target_accuracy: float) -> RunFigures:
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
-        m.final_accuracy = summary.get("test_accuracy")
-        if m.final_accuracy is not None:
-            evals.append((last_t, m.final_accuracy))
-    m.accuracy_curve = sorted((t - start, a) for t, a in evals)
-    m.time_to_target_s = next((t for t, a in m.accuracy_curve if a >= target_accuracy), None)
+        m.final_score = summary.get("score", summary.get("test_accuracy"))
+        if m.final_score is not None:
+            evals.append((last_t, m.final_score))
+    m.score_curve = sorted((t - start, a) for t, a in evals)
+    m.time_to_target_s = next(
+        (t for t, v in m.score_curve if v is not None and reached(v, target, m.metric_mode)), None
+    )
     for device, by_wave in traces.items():
         m.memory_traces[device] = by_wave
         m.peak_bytes_per_device[device] = peak(combined_timeline(list(by_wave.values())))

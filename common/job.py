@@ -6,6 +6,7 @@ import torch
 
 from wavelet.common.config import ConfigError, JobConfig
 from wavelet.common.datasets import Dataset, LoaderDataset, LoaderSettings, build_dataset
+from wavelet.common.evaluation import load_evaluation
 from wavelet.common.models import build_model
 from wavelet.common.step import load_step
 
@@ -40,6 +41,10 @@ def check_job(job: JobConfig, total_waves: int) -> None:
         load_step(job.step, job.precision)
     except ValueError as e:
         raise ConfigError(f"cannot load the job's step: {e}") from None
+    try:
+        load_evaluation(job)
+    except ValueError as e:
+        raise ConfigError(f"cannot load the job's evaluation: {e}") from None
     if job.collate_fn:
         try:
             LoaderSettings(collate_fn=job.collate_fn).collate()

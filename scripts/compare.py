@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 from wavelet.common.config import JobConfig, LaunchConfig
+from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
 from wavelet.common.machine import usable_cores
 from wavelet.scripts.budget import (
@@ -285,7 +286,7 @@ COLUMNS = [
     "mode",
     "samples/s",
     "time to {target} (s)",
-    "final acc",
+    "final {metric}",
     "peak activations / device",
     "vs one wave",
     "wire KB / sample",
@@ -311,7 +312,7 @@ def table_rows(
             r.name,
             f"{m.samples_per_s:.0f}",
             f"{m.time_to_target_s:.1f}" if m.time_to_target_s is not None else "not reached",
-            f"{100 * m.final_accuracy:.2f}%" if m.final_accuracy is not None else "n/a",
+            m.final_text,
             f"{worst / 1e6:.2f} MB",
             f"{ratio:.2f}x" if ratio is not None else "n/a",
             f"{m.wire_bytes_per_sample / 1e3:.1f}",
@@ -325,11 +326,17 @@ def table_rows(
 
 
 def format_table(results: list[ModeResult], target: float, budget: BudgetPlan | None = None) -> str:
-    header = [c.format(target=f"{100 * target:g}%") for c in COLUMNS]
+    metric = _metric(results)
+    header = [c.format(target=format_target(metric, target), metric=metric) for c in COLUMNS]
     header += BUDGET_COLUMNS if budget else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(results, target, budget)]
     return "\n".join(lines)
+
+
+def _metric(results: list[ModeResult]) -> str:
+    """The job's headline metric, as the runs recorded it (all modes run the same job)."""
+    return next((r.figures.metric for r in results if r.figures), "accuracy")
 
 
 def _why(name: str, m: RunFigures) -> str:
@@ -367,12 +374,10 @@ def verdict(results: list[ModeResult], target: float, budget: BudgetPlan | None)
         (r for r in ok if r.figures.time_to_target_s is not None),
         key=lambda r: r.figures.time_to_target_s,
     )
+    goal = format_target(_metric(results), target)
     if reached:
         first = reached[0]
-        line = (
-            f"Time to {100 * target:g}%: `{first.name}` first, after "
-            f"{first.figures.time_to_target_s:.1f} s"
-        )
+        line = f"Time to {goal}: `{first.name}` first, after {first.figures.time_to_target_s:.1f} s"
         if len(reached) > 1:
             line += (
                 f"; `{reached[1].name}` after {reached[1].figures.time_to_target_s:.1f} s "
@@ -381,7 +386,7 @@ def verdict(results: list[ModeResult], target: float, budget: BudgetPlan | None)
         missed = [r.name for r in ok if r.figures.time_to_target_s is None]
         lines.append(line + (f"; not reached by {', '.join(missed)}." if missed else "."))
     else:
-        lines.append(f"No mode reached {100 * target:g}% test accuracy.")
+        lines.append(f"No mode reached {goal} on the test set.")
     by_name = {r.name: r for r in ok}
     allreduce = [r for r in ok if MODES[r.name].allreduce]
     if "ticktock" in by_name and allreduce:

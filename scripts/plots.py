@@ -9,20 +9,27 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from wavelet.common.evaluation import format_target  # noqa: E402
 from wavelet.common.figures import RunFigures, combined_timeline  # noqa: E402
 
 
 def accuracy_vs_time(runs: dict[str, RunFigures], path: Path, target: float | None = None) -> None:
+    """The headline metric of each run against wall time (test accuracy in %, unless the job
+    names another metric)."""
+    metric = next((m.metric for m in runs.values()), "accuracy")
+    scale = 100 if metric == "accuracy" else 1
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, m in runs.items():
-        if m.accuracy_curve:
-            t, a = zip(*m.accuracy_curve, strict=True)
-            ax.plot(t, [100 * x for x in a], marker="o", markersize=3, label=name)
+        points = [(t, v) for t, v in m.score_curve if v is not None]
+        if points:
+            t, a = zip(*points, strict=True)
+            ax.plot(t, [scale * x for x in a], marker="o", markersize=3, label=name)
     if target is not None:
-        ax.axhline(100 * target, color="grey", linestyle=":", label=f"target {100 * target:g}%")
+        label = f"target {format_target(metric, target)}"
+        ax.axhline(scale * target, color="grey", linestyle=":", label=label)
     ax.set_xlabel("wall time since start (s)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title("Test accuracy against wall time")
+    ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else f"test {metric}")
+    ax.set_title(f"Test {metric} against wall time")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,5 +1,5 @@
 """What a job shows and leaves: the progress line read from the workers' records as they grow,
-and at the end the summary (the shards' test accuracy, samples/s, lost updates, staleness per
+and at the end the summary (the shards' test metrics, samples/s, lost updates, staleness per
 wave) printed and written to ``summary.json``. ``wavelet launch`` and ``wavelet run`` share it.
 """
 
@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from wavelet.common.config import JobConfig
+from wavelet.common.evaluation import format_value
 from wavelet.common.figures import push_staleness
 from wavelet.common.protocol import AdminRequest, Op
 from wavelet.scripts.plots import staleness_histograms
@@ -35,20 +36,24 @@ def summarize(
     are this node's only)."""
     progress.read()
     if addresses:
-        accuracy = evaluate_shards(addresses, job_cfg, keys=keys)
+        metrics = evaluate_shards(addresses, job_cfg, keys=keys)
         stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
         for a in addresses:
             call_shard(a, Op.SHUTDOWN, keys=keys, body=AdminRequest(token=admin_token).to_wire())
         staleness_histograms(push_staleness(run_dir), run_dir / "staleness.png")
     else:
-        accuracy = progress.final_accuracy
+        metrics = progress.final_metrics
         stats = {}
-    if progress.board is not None and accuracy is not None:
-        progress.board.final(accuracy)
+    score = metrics.get(job_cfg.target_metric) if metrics else None
+    if progress.board is not None and score is not None:
+        progress.board.final(job_cfg.target_metric, score)
     summary = {
         "run_dir": str(run_dir),
         "mode": mode,
-        "test_accuracy": accuracy,
+        "test_accuracy": metrics.get("accuracy") if metrics else None,
+        "target_metric": job_cfg.target_metric,
+        "score": score,  # the target metric's final value
+        "metrics": metrics or {},
         "samples": progress.samples,
         "train_seconds": progress.elapsed(),
         "samples_per_s": progress.samples / max(progress.elapsed(), 1e-9),
@@ -73,9 +78,16 @@ def summarize(
 
 
 def format_summary(s: dict) -> str:
-    acc = s["test_accuracy"]
+    metric = s.get("target_metric", "accuracy")
+    score = s.get("score", s["test_accuracy"])
+    others = ", ".join(
+        f"{k} {format_value(k, v)}" for k, v in s.get("metrics", {}).items() if k != metric
+    )
     lines = [
-        f"final test accuracy: {100 * acc:.2f}%" if acc is not None else "no final accuracy",
+        f"final test {metric}: {format_value(metric, score)}"
+        if score is not None
+        else f"no final {metric}",
+        *([f"other test metrics: {others}"] if others else []),
         f"throughput: {s['samples_per_s']:.0f} samples/s ({s['samples']} samples in "
         f"{s['train_seconds']:.1f}s, all waves)",
     ]
@@ -107,6 +119,11 @@ def _precision_line(s: dict) -> str:
     return line
 
 
+def _metrics_of(r: dict) -> dict[str, float]:
+    """An eval or final record's metrics (records before --evaluate hold test_acc alone)."""
+    return r.get("metrics") or {"accuracy": r["test_acc"]}
+
+
 class Progress:
     """Reads the workers' records as they grow and summarises them in one line."""
 
@@ -132,8 +149,9 @@ class Progress:
         self.loss: dict[str, float] = {}
         self.epoch = 0
         self.steps = 0
-        self.accuracy: float | None = None
-        self.final_accuracy: float | None = None
+        self.metric = "accuracy"  # the job's headline metric, as its eval records name it
+        self.score: float | None = None  # its latest value during training
+        self.final_metrics: dict[str, float] | None = None
         self.lost_updates = 0  # most updates any wave saw a restarted shard lose
         self.wire_bytes = 0  # tensor bytes the waves moved over TCP
         self.skipped: dict[str, int] = {}  # per wave, steps skipped on fp16 overflow
@@ -177,7 +195,7 @@ class Progress:
             if r["kind"] == "step":
                 self.board.step(wave, r)
             elif r["kind"] in ("eval", "final"):
-                self.board.evaluation(r.get("epoch", self.epoch) + 1, r["test_acc"], r["t"])
+                self.board.evaluation(r.get("epoch", self.epoch) + 1, _metrics_of(r), r["t"])
         if r["kind"] == "start":
             self.first_t = r["t"] if self.first_t is None else min(self.first_t, r["t"])
             self.tcp_reasons += [
@@ -194,9 +212,10 @@ class Progress:
             self.wire_overflows[wave] = r.get("wire_overflows", 0)
             self.last_t = r["t"] if self.last_t is None else max(self.last_t, r["t"])
         elif r["kind"] == "eval":
-            self.accuracy = r["test_acc"]
+            self.metric = r.get("metric", "accuracy")
+            self.score = r.get("score", r.get("test_acc"))
         elif r["kind"] == "final":
-            self.final_accuracy = r["test_acc"]
+            self.final_metrics = _metrics_of(r)
 
     def shared_memory_note(self) -> str:
         """Once, the first time waves fell back to TCP on a full shared-memory folder: one line
@@ -216,7 +235,11 @@ class Progress:
         # "-" until there is a number: no "loss nan  0 samples/s" before the first step
         loss = f"{sum(self.loss.values()) / len(self.loss):.4f}" if self.loss else "-"
         rate = f"{self.samples / self.elapsed():.0f}" if self.elapsed() > 0 else "-"
-        acc = f"  test acc {100 * self.accuracy:.1f}%" if self.accuracy is not None else ""
+        acc = ""
+        if self.score is not None and self.metric == "accuracy":
+            acc = f"  test acc {100 * self.score:.1f}%"
+        elif self.score is not None:
+            acc = f"  test {self.metric} {self.score:.4g}"
         epochs = f"/{self.epochs}" if self.epochs else ""
         return (
             f"[{wall:6.1f}s] epoch {self.epoch}{epochs}  steps {self.steps}  "

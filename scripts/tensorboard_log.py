@@ -41,12 +41,14 @@ class RunBoard:
         """All waves' samples/s since the start, as the progress line shows it."""
         self.writer.add_scalar("samples_per_s", samples_per_s, round(elapsed_s, 3), walltime=t)
 
-    def evaluation(self, epoch: int, accuracy: float, t: float) -> None:
-        self.writer.add_scalar("test_accuracy", accuracy, epoch, walltime=t)
+    def evaluation(self, epoch: int, metrics: dict[str, float], t: float) -> None:
+        """Every test metric as ``test_<name>`` (``test_accuracy`` by default)."""
+        for name, value in metrics.items():
+            self.writer.add_scalar(f"test_{name}", value, epoch, walltime=t)
 
-    def final(self, accuracy: float) -> None:
-        """The job's final test accuracy (the shards' weights, tested at the end)."""
-        self.writer.add_scalar("final_test_accuracy", accuracy, 0)
+    def final(self, metric: str, value: float) -> None:
+        """The job's final headline metric (the shards' weights, tested at the end)."""
+        self.writer.add_scalar(f"final_test_{metric}", value, 0)
 
     def push(self, r: dict) -> None:
         """One shard push record: staleness points per window of pushes."""

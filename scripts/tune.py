@@ -21,6 +21,7 @@ from wavelet.common.config import (
     JobConfig,
     LaunchConfig,
 )
+from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time
@@ -133,7 +134,8 @@ def tune(
 
 
 def recommend(results: list[SettingResult]) -> tuple[SettingResult, SettingResult | None, str]:
-    """Best time to the target accuracy; if no setting reached it, best final accuracy."""
+    """Best time to the target of the headline metric; if no setting reached it, the best final
+    value (higher or lower, as the job's target_mode says)."""
     ok = [r for r in results if r.figures is not None]
     if not ok:
         raise ValueError("no setting finished")
@@ -145,34 +147,42 @@ def recommend(results: list[SettingResult]) -> tuple[SettingResult, SettingResul
             return best, None, "the only setting that reached the target"
         margin = second.figures.time_to_target_s - best.figures.time_to_target_s
         return best, second, f"{margin:.2f}s sooner to the target than the runner-up"
-    ranked = sorted(ok, key=lambda r: -(r.figures.final_accuracy or 0.0))
+    ranked = sorted(ok, key=_final_rank)
     best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
     if second is None:
         return best, None, "no setting reached the target; the only one that finished"
-    margin = 100 * ((best.figures.final_accuracy or 0) - (second.figures.final_accuracy or 0))
-    if margin == 0:
+    metric = best.figures.metric
+    diff = abs((best.figures.final_score or 0) - (second.figures.final_score or 0))
+    if diff == 0:
         why = (
-            "no setting reached the target and the best ones tie on final accuracy: this "
+            f"no setting reached the target and the best ones tie on final {metric}: this "
             "sweep does not tell them apart"
         )
         return best, second, why
-    return (
-        best,
-        second,
-        (
-            f"no setting reached the target; {margin:.2f} points more final "
-            "accuracy than the runner-up"
-        ),
+    better = (
+        f"{100 * diff:.2f} points more final accuracy"
+        if metric == "accuracy"
+        else f"a final {metric} better by {diff:.4g}"
     )
+    return best, second, f"no setting reached the target; {better} than the runner-up"
+
+
+def _final_rank(r: SettingResult) -> float:
+    """Sort key: the best final value first (a run without one last)."""
+    m = r.figures
+    if m is None or m.final_score is None:
+        return float("inf")
+    return -m.final_score if m.metric_mode == "max" else m.final_score
 
 
 def format_table(results: list[SettingResult], target: float) -> str:
+    metric = next((r.figures.metric for r in results if r.figures), "accuracy")
     head = [
         "bound",
         "policy",
         "samples/s",
-        f"time to {100 * target:g}% (s)",
-        "final acc",
+        f"time to {format_target(metric, target)} (s)",
+        f"final {metric}",
         "staleness mean",
         "staleness p99",
         "dropped",
@@ -189,9 +199,8 @@ def format_table(results: list[SettingResult], target: float) -> str:
         p99 = max((w["p99"] for w in waves), default=0)
         dropped = sum(w["dropped"] for w in waves)
         ttt = f"{m.time_to_target_s:.2f}" if m.time_to_target_s is not None else "not reached"
-        acc = f"{100 * m.final_accuracy:.2f}%" if m.final_accuracy is not None else "n/a"
         lines.append(
-            f"| {_bound(s.bound)} | {s.policy} | {m.samples_per_s:.0f} | {ttt} | {acc} "
+            f"| {_bound(s.bound)} | {s.policy} | {m.samples_per_s:.0f} | {ttt} | {m.final_text} "
             f"| {mean:.2f} | {p99} | {dropped} | {m.bound_wait_s:.2f} |"
         )
     return "\n".join(lines)

@@ -15,12 +15,10 @@ def test_settings_skip_policies_under_bulk_synchronous():
 
 
 def _result(name, ttt, acc):
-    return SettingResult(
-        Setting(1, name), RunFigures("x", time_to_target_s=ttt, final_accuracy=acc)
-    )
+    return SettingResult(Setting(1, name), RunFigures("x", time_to_target_s=ttt, final_score=acc))
 
 
-def test_recommendation_prefers_time_to_target_then_final_accuracy():
+def test_recommendation_prefers_time_to_target_then_final_score():
     best, second, why = recommend(
         [_result("a", 3.0, 0.98), _result("b", 2.0, 0.97), _result("c", None, 0.99)]
     )

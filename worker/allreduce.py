@@ -20,13 +20,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from wavelet.common.config import ConfigError, WorkerConfig
+from wavelet.common.evaluation import load_evaluation
 from wavelet.common.job import build_dataset_and_model
 from wavelet.common.models import checkpoint_blocks
 from wavelet.common.protocol import wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.step import AUTOCAST_DTYPES, load_step
-from wavelet.worker.evaluate import evaluate
+from wavelet.worker.evaluate import eval_record, evaluate
 from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory
 from wavelet.worker.metrics import serve_worker_metrics
 
@@ -159,6 +160,7 @@ class _Rank:
         self.skipped = 0
         self.meter = SavedActivationMeter(self.model.parameters())
         self.training_step = load_step(job.step, job.precision)
+        self.evaluation = load_evaluation(job)
         self.trace_iters = job.memory_trace_iters
         self.eval_every = job.eval_every
         self.part = self.dataset.part(self.rank, world, job.seed)
@@ -234,14 +236,8 @@ class _Rank:
 
     def end_epoch(self, epoch: int) -> None:
         if self.rank == 0 and self.eval_every and (epoch + 1) % self.eval_every == 0:
-            self.records.write(
-                {
-                    "kind": "eval",
-                    "t": time.time(),
-                    "epoch": epoch,
-                    "test_acc": evaluate(self.model, self.dataset, self.device),
-                }
-            )
+            metrics = evaluate(self.model, self.dataset, self.device, self.evaluation)
+            self.records.write(eval_record("eval", self.evaluation, metrics, epoch=epoch))
         self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
 
     def finish(self, evaluated: bool) -> None:
@@ -250,8 +246,8 @@ class _Rank:
         if self.endpoint is not None:
             self.endpoint.stop()
         if self.rank == 0 and evaluated:
-            test_acc = evaluate(self.model, self.dataset, self.device)
-            self.records.write({"kind": "final", "t": time.time(), "test_acc": test_acc})
+            metrics = evaluate(self.model, self.dataset, self.device, self.evaluation)
+            self.records.write(eval_record("final", self.evaluation, metrics))
         if self.meter.trace:
             self.records.write({"kind": "memory_trace", "wave": 0, "trace": self.meter.trace})
         self.records.close()

@@ -19,6 +19,7 @@ import zmq
 
 from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import Dataset, LoaderDataset
+from wavelet.common.evaluation import load_evaluation
 from wavelet.common.models import build_model, checkpoint_blocks
 from wavelet.common.protocol import ShardError, wave_name
 from wavelet.common.records import RecordWriter
@@ -28,7 +29,7 @@ from wavelet.common.step import load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import PSClient, StopRequested
 from wavelet.worker.connection import client_keys
-from wavelet.worker.evaluate import evaluate
+from wavelet.worker.evaluate import eval_record, evaluate
 from wavelet.worker.loss_scale import LossScale
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 
@@ -71,6 +72,7 @@ class Wave:
         self.device = torch.device(config.device)
         self.step = load_step(self.job.step, self.job.precision)
         self.loss_scale = LossScale(enabled=self.job.precision == "fp16")
+        self.evaluation = load_evaluation(self.job)
         self.keys = client_keys(config)
         self.error: BaseException | None = None
         name = f"worker-{config.rank}-wave-{ident.local}"
@@ -278,5 +280,5 @@ class Wave:
             time.sleep((self.job.slow_factor - 1.0) * (time.perf_counter() - started))
 
     def _record_eval(self, model: torch.nn.Module, epoch: int) -> None:
-        acc = evaluate(model, self.dataset, self.device)
-        self.records.write({"kind": "eval", "t": time.time(), "epoch": epoch, "test_acc": acc})
+        metrics = evaluate(model, self.dataset, self.device, self.evaluation)
+        self.records.write(eval_record("eval", self.evaluation, metrics, epoch=epoch))

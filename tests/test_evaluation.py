@@ -1,0 +1,80 @@
+"""A job's own evaluation (``--evaluate package.module:function``) with a headline metric and its
+direction: the progress line, the summary, records, TensorBoard and time to target use it, and an
+evaluation that returns no headline ends the job with one line naming it."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_wavelet
+from helpers import tiny_model
+
+from wavelet.common.evaluation import EvaluateError, Evaluation, accuracy
+from wavelet.common.figures import run_figures
+
+EVALS = """
+import torch.nn.functional as F
+
+
+def loss_and_accuracy(model, batches):
+    total = correct = seen = 0.0
+    for x, y in batches:
+        out = model(x)
+        total += float(F.cross_entropy(out, y, reduction="sum"))
+        correct += float((out.argmax(1) == y).sum())
+        seen += len(y)
+    return {"test_loss": total / seen, "accuracy": correct / seen}
+"""
+
+
+def test_the_default_is_top1_accuracy_and_a_bad_return_names_the_function():
+    model = tiny_model()
+    x, y = torch.randn(8, 4), torch.zeros(8, dtype=torch.long)
+    got = Evaluation()(model, [(x, y)])
+    assert got == accuracy(model, [(x, y)]) and 0.0 <= got["accuracy"] <= 1.0
+    assert model.training  # put back as it was
+    check = Evaluation(metric="perplexity", mode="min").check
+    with pytest.raises(EvaluateError, match="accuracy.*not the target metric 'perplexity'"):
+        check({"accuracy": 0.5})
+    with pytest.raises(EvaluateError, match="returned float, not a dict"):
+        check(0.5)
+    with pytest.raises(EvaluateError, match="not a number"):
+        check({"perplexity": "high"})
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    (tmp_path / "myevals.py").write_text(EVALS)
+    return tmp_path
+
+
+@pytest.mark.timeout(240)
+def test_a_metric_to_minimise_drives_progress_summary_and_time_to_target(project):
+    done = run_wavelet(
+        "launch", "--evaluate", "myevals:loss_and_accuracy", "--target-metric", "test_loss",
+        "--target-mode", "min", "--model", "mlp", "--epochs", "3", "--threads", "1",
+        "--run-dir", "run", timeout=220, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((project / "run" / "summary.json").read_text())
+    assert summary["target_metric"] == "test_loss"
+    assert summary["score"] == summary["metrics"]["test_loss"] < 2.2  # below chance's 2.30
+    assert summary["test_accuracy"] == summary["metrics"]["accuracy"]
+    assert "final test test_loss:" in done.stdout and "other test metrics: accuracy" in done.stdout
+    figures = run_figures(project / "run", target=2.2)
+    assert (figures.metric, figures.metric_mode) == ("test_loss", "min")
+    assert figures.time_to_target_s is not None  # reached by going below it
+    assert run_figures(project / "run", target=0.0).time_to_target_s is None
+
+
+@pytest.mark.timeout(240)
+def test_an_evaluation_without_the_headline_stops_the_job_with_one_line(project):
+    done = run_wavelet(
+        "launch", "--evaluate", "myevals:loss_and_accuracy", "--target-metric", "perplexity",
+        "--model", "mlp", "--epochs", "1", "--threads", "1", "--run-dir", "run",
+        timeout=220, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert "evaluation myevals:loss_and_accuracy returned" in done.stderr
+    assert "set target_metric" in done.stderr
