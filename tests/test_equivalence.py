@@ -7,8 +7,10 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.data as tud
 from helpers import client_for, shard_values, tiny_model
 
+from wavelet.common.datasets import LoaderDataset
 from wavelet.common.step import load_step
 
 STEPS = 6
@@ -23,8 +25,23 @@ def _batch(wave: int, step: int, regression: bool = False):
     return x, torch.randint(0, 3, (BATCH,), generator=g)
 
 
+def _loader_batches(waves: int) -> list[list]:
+    """Each wave's STEPS batches of regression targets, read through a DataLoader from a
+    map-style dataset, as a job's waves read theirs (common/datasets.py ``LoaderPart``)."""
+    g = torch.Generator().manual_seed(7)
+    n = waves * STEPS * BATCH
+    data = tud.TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g))
+    loader = LoaderDataset(data, data)
+    return [list(loader.part(w, waves, seed=3).batches(BATCH, 0, seed=0)) for w in range(waves)]
+
+
 def _train_wave(
-    addresses, wave: int, errors: list, step_name: str = "classification", wire_dtype="fp32"
+    addresses,
+    wave: int,
+    errors: list,
+    step_name: str = "classification",
+    wire_dtype="fp32",
+    loader_waves: int = 0,
 ):
     try:
         model = tiny_model()
@@ -35,8 +52,12 @@ def _train_wave(
             c.register(0)
             assert c.transports == [transport] * len(addresses)
             pulled = c.pull(0)
+            batches = _loader_batches(loader_waves)[wave] if loader_waves else None
             for step in range(STEPS):
-                x, y = _batch(wave, step, step_name != "classification")
+                if batches:
+                    x, y = batches[step]
+                else:
+                    x, y = _batch(wave, step, step_name != "classification")
                 model.zero_grad()
                 step_fn(model, (x, y))[0].backward()
                 pulled = c.push_pull(step, pulled.versions)
@@ -48,12 +69,16 @@ def _train_wave(
         errors.append(e)
 
 
-def _reference(waves: int, make_opt, step_name: str = "classification"):
+def _reference(waves: int, make_opt, step_name: str = "classification", loader: bool = False):
     model = tiny_model()
     opt = make_opt(model.parameters())
     regression = step_name != "classification"
+    read = _loader_batches(waves) if loader else None
     for step in range(STEPS):
-        xs, ys = zip(*(_batch(w, step, regression) for w in range(waves)), strict=True)
+        if read:
+            xs, ys = zip(*(read[w][step] for w in range(waves)), strict=True)
+        else:
+            xs, ys = zip(*(_batch(w, step, regression) for w in range(waves)), strict=True)
         opt.zero_grad()
         x, y = torch.cat(xs), torch.cat(ys)
         loss = F.mse_loss(model(x), y) if regression else F.cross_entropy(model(x), y)
@@ -88,11 +113,17 @@ def test_bulk_synchronous_equals_single_process(shard_daemons, waves, optimizer,
     _assert_equal(got, _reference(waves, make_opt, step_name))
 
 
-def _train_waves(addresses, waves: int, step_name="classification", wire_dtype="fp32"):
+def _train_waves(
+    addresses, waves: int, step_name="classification", wire_dtype="fp32", loader: bool = False
+):
     """The shards' master weights after ``waves`` waves trained STEPS steps."""
     errors: list = []
+    loader_waves = waves if loader else 0
     threads = [
-        threading.Thread(target=_train_wave, args=(addresses, w, errors, step_name, wire_dtype))
+        threading.Thread(
+            target=_train_wave,
+            args=(addresses, w, errors, step_name, wire_dtype, loader_waves),
+        )
         for w in range(waves)
     ]
     for t in threads:
@@ -147,3 +178,15 @@ def test_bulk_synchronous_on_a_16_bit_wire_equals_training_with_the_same_roundin
     # and the rounding does make a difference: fp32 training ends elsewhere
     exact = _reference(2, make_opt)
     assert any((a - b).abs().max() > 1e-5 for a, b in zip(got, exact, strict=True))
+
+
+def test_bulk_synchronous_with_a_users_step_and_a_dataloader_equals_single_process(
+    shard_daemons,
+):
+    """A user's step (regression) on batches a DataLoader reads from a map-style dataset, each
+    wave its own part: still single-process training on the concatenated batches."""
+    args = ["--optimizer", "sgd", "--lr", "0.1", "--set", "optimizer.kwargs.momentum=0.9"]
+    daemons = shard_daemons(["--staleness", "0", *args], count=2, expect_waves=2)
+    got = _train_waves(daemons.addresses, 2, "helpers:mse_step", loader=True)
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    _assert_equal(got, _reference(2, make_opt, "helpers:mse_step", loader=True))
