@@ -63,7 +63,8 @@ def test_compare_report_is_complete_and_matches_the_records(tmp_path):
     table = [line for line in report.splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(modes)
     header = [c.strip() for c in table[0].strip("|").split("|")]
-    assert header == [c.format(target="50%") for c in COLUMNS]
+    assert header == [c.format(target="50%", metric="accuracy") for c in COLUMNS]
+    assert "final accuracy" in header
     rows = {
         r.strip("|").split("|")[0].strip(): [c.strip() for c in r.strip("|").split("|")]
         for r in table[2:]

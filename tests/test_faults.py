@@ -60,12 +60,12 @@ def _train(tmp_path, shard_daemons, kill_shard: bool):
             )
             with started(restart, daemons.tmp / "ps-1-restarted.log"):
                 assert worker.wait(120) == 0, (tmp_path / "killed-worker.log").read_text()[-3000:]
-                accuracy = evaluate_shards(daemons.addresses, JobConfig())
+                accuracy = evaluate_shards(daemons.addresses, JobConfig())["accuracy"]
             assert "restored version" in (daemons.tmp / "ps-1-restarted.log").read_text()
             del ps_log
         else:
             assert worker.wait(120) == 0
-            accuracy = evaluate_shards(daemons.addresses, JobConfig())
+            accuracy = evaluate_shards(daemons.addresses, JobConfig())["accuracy"]
     lost = max(
         r.get("lost_updates", 0)
         for w in (0, 1)
