@@ -9,7 +9,6 @@ progress line, the summary, time to target in ``compare`` and ``tune``, TensorBo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -74,12 +73,6 @@ class Evaluation:
 
     def headline(self, metrics: Metrics) -> float:
         return metrics[self.metric]
-
-    def format(self, value: float | None) -> str:
-        """``accuracy 97.20%``, or ``perplexity 12.31``."""
-        if value is not None and math.isnan(value):
-            value = None
-        return f"{self.metric} {format_value(self.metric, value)}"
 
 
 def format_value(metric: str, value: float | None) -> str:
