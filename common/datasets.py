@@ -222,17 +222,26 @@ def read_batches(loader: tud.DataLoader, settings: LoaderSettings) -> Iterator[A
         except StopIteration:
             return
         except Exception as e:
-            where = (
-                f"collate_fn {settings.collate_fn}"
-                if settings.collate_fn
-                else "the dataset's __getitem__ or the default collate"
-            )
-            workers = f", {settings.workers} loader worker(s)" if settings.workers else ""
-            cause = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-            raise DataError(
-                f"reading a batch failed in {where}{workers}: {type(e).__name__}: {cause}"
-            ) from e
+            raise DataError(_read_failure(e, settings)) from e
         yield batch
+
+
+def _read_failure(e: Exception, settings: LoaderSettings) -> str:
+    where = (
+        f"collate_fn {settings.collate_fn}"
+        if settings.collate_fn
+        else "the dataset's __getitem__ or the default collate"
+    )
+    cause = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+    if settings.workers and "exited unexpectedly" in cause:
+        # torch's words for a worker process that died (killed, out of memory, a crash in C)
+        return (
+            f"a DataLoader worker process died while reading a batch ({cause}); it runs {where}: "
+            "check its memory use (the kernel's OOM killer) and native code, or set "
+            "loader_workers=0 to see the error in this process"
+        )
+    workers = f", {settings.workers} loader worker(s)" if settings.workers else ""
+    return f"reading a batch failed in {where}{workers}: {type(e).__name__}: {cause}"
 
 
 def digits(seed: int = 0, test_fraction: float = 0.2, max_shift: int = 1) -> Dataset:

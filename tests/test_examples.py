@@ -50,3 +50,20 @@ def test_the_language_model_example_learns_in_every_kind_of_mode(tmp_path):
         assert m["time_to_target_s"] is not None  # reached by going below the target
     report = (out / "report.md").read_text()
     assert "time to perplexity 64 (s)" in report and "final perplexity" in report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchvision_resnet18_learns_an_image_folder_through_loader_workers(tmp_path):
+    pytest.importorskip("torchvision", reason="the vision example needs wavelet[vision]")
+    done = run_wavelet(
+        "launch", "--model", "torchvision.models:resnet18", "--set", "model_kwargs.num_classes=4",
+        "--dataset", "examples.vision:image_folder",
+        "--set", f"dataset_kwargs.root={tmp_path / 'images'}", "--set", "loader_workers=1",
+        "--batch-size", "16", "--lr", "0.02", "--epochs", "2", "--threads", "1",
+        "--run-dir", str(tmp_path / "run"), timeout=280, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["test_accuracy"] > 0.5, summary  # chance is 0.25 on four classes
+    assert len(list((tmp_path / "images" / "train").glob("*/*.png"))) == 4 * 96

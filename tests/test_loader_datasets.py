@@ -63,6 +63,24 @@ def not_a_dataset(seed):
 
 def broken_collate(samples):
     raise KeyError("label")
+
+
+class DiesInWorker(Files):
+    """Kills the loader worker process that reads it (as the OOM killer would)."""
+
+    def __getitem__(self, i):
+        import os
+        import signal
+
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+def dying(seed, root):
+    return DiesInWorker(Path(root) / "train"), Files(Path(root) / "test")
 '''
 
 
@@ -137,3 +155,21 @@ def test_a_failing_collate_fn_is_one_error_naming_it(project):
     data = build_dataset("mydata:files", 0, settings, root=str(project / "data"))
     with pytest.raises(DataError, match=r"collate_fn mydata:broken_collate: KeyError: 'label'"):
         next(iter(data.part(0, 2, seed=0).batches(8, 0, seed=0)))
+
+
+def test_a_loader_worker_that_dies_is_one_error_saying_so(project):
+    data = build_dataset("mydata:dying", 0, LoaderSettings(workers=1), root=str(project / "data"))
+    with pytest.raises(DataError, match=r"a DataLoader worker process died .*loader_workers=0"):
+        next(iter(data.part(0, 2, seed=0).batches(8, 0, seed=0)))
+
+
+@pytest.mark.timeout(200)
+def test_a_dying_loader_worker_stops_the_job_with_one_line(project):
+    done = run_wavelet(
+        "launch", "--dataset", "mydata:dying", "--set", f"dataset_kwargs.root={project / 'data'}",
+        "--model", "mlp", "--set", "loader_workers=1", "--epochs", "1", "--threads", "1",
+        "--run-dir", "run", timeout=180, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    died = [line for line in done.stderr.splitlines() if "DataLoader worker process died" in line]
+    assert len(died) >= 1, done.stderr[-3000:]
