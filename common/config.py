@@ -136,6 +136,7 @@ UPDATE_LRS = ("full", "by-samples")  # the step size of one update (docs/tuning.
 PRECISIONS = ("fp32", "bf16", "fp16")  # of the forward (torch.autocast); parameters stay fp32
 # dtype of gradients and weights between waves and shards; shards keep fp32 master weights
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
+PLACEMENTS = ("size", "layers")  # of chunks on shards (common/sharding.py)
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
 # Help texts that more than one config class shows: written once.
@@ -266,6 +267,17 @@ class JobConfig:
     waves: int = setting(2, help="waves per device: 2 is tick-tock, 1 the single-wave baseline")
     shards: int = setting(2, help="parameter-server shards")
     chunk_mib: float = setting(4.0, help="large tensors are cut into chunks of at most this size")
+    placement: str = setting(
+        "size",
+        help="chunks on shards: size (balanced, largest first) or layers (contiguous runs of the "
+        "model, so the shard of the last layers can take its push while backward goes on)",
+        choices=PLACEMENTS,
+    )
+    push_during_backward: bool = setting(
+        True,
+        help="push a shard's gradients as soon as backward has made all of them, not after "
+        "backward (not with fp16 loss scaling, which needs every gradient to decide)",
+    )
     staleness: float = setting(
         1,
         help="staleness bound: 0 bulk-synchronous, k stale-synchronous, inf asynchronous",

@@ -1,9 +1,13 @@
 """The sharding plan: which slice of which tensor lives on which parameter-server shard.
 
-Tensors are flattened and cut into chunks of at most ``chunk_bytes``; chunks are assigned to shards
-greedily, largest first, each to the shard holding the fewest bytes so far. The plan depends only
-on the model's tensors (names, dtypes, sizes, order), the shard count and the chunk size, so every
-process computes the same plan, and its fingerprint lets a shard refuse a push from another plan.
+Tensors are flattened and cut into chunks of at most ``chunk_bytes``. Placements
+(``PLACEMENTS``): ``size`` assigns chunks greedily, largest first, each to the shard holding the
+fewest bytes so far; ``layers`` cuts the model, in the order of its tensors, into one contiguous
+run of about equal bytes per shard, so that backward finishes the last shard's gradients first
+and the wave can push to it while backward goes on (worker/push_hooks.py). The plan depends only
+on the model's tensors (names, dtypes, sizes, order), the shard count, the chunk size and the
+placement, so every process computes the same plan, and its fingerprint lets a shard refuse a
+push from another plan.
 
 A plan also says in which dtype each chunk travels (``wire``): the job's wire dtype for float32
 chunks, its own dtype for every other. The wire dtype is part of the fingerprint, so a wave of a
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wavelet.common.config import PLACEMENTS
 from wavelet.common.protocol import TensorDesc, dtype_name
 
 # the job's ``wire_dtype`` setting -> the dtype name chunks travel in
@@ -63,9 +68,14 @@ class ShardingPlan:
 
     @classmethod
     def for_model(
-        cls, model: torch.nn.Module, num_shards: int, chunk_bytes: int, wire_dtype: str = "fp32"
+        cls,
+        model: torch.nn.Module,
+        num_shards: int,
+        chunk_bytes: int,
+        wire_dtype: str = "fp32",
+        placement: str = "size",
     ) -> ShardingPlan:
-        return cls.build(model_tensors(model), num_shards, chunk_bytes, wire_dtype)
+        return cls.build(model_tensors(model), num_shards, chunk_bytes, wire_dtype, placement)
 
     @classmethod
     def build(
@@ -74,9 +84,12 @@ class ShardingPlan:
         num_shards: int,
         chunk_bytes: int,
         wire_dtype: str = "fp32",
+        placement: str = "size",
     ) -> ShardingPlan:
         """Plan for ``(name, tensor, trainable)`` triples, in the order given; float32 chunks
-        travel in ``wire_dtype`` (fp32, bf16 or fp16)."""
+        travel in ``wire_dtype`` (fp32, bf16 or fp16); ``placement``: size or layers."""
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         if num_shards < 1:
             raise ValueError("a plan needs at least one shard")
         if wire_dtype not in WIRE_DTYPE_NAMES:
@@ -94,17 +107,15 @@ class ShardingPlan:
                 n = min(per_chunk, numel - offset)
                 pieces.append((name, offset, n, dtype, trainable))
                 sizes.append(n * t.element_size())
-        load = [0] * num_shards
-        owner: dict[int, int] = {}
-        for key in sorted(range(len(pieces)), key=lambda k: (-sizes[k], k)):
-            shard = min(range(num_shards), key=lambda s: (load[s], s))
-            owner[key] = shard
-            load[shard] += sizes[key]
+        place = _by_layers if placement == "layers" else _by_size
+        owner = place(sizes, num_shards)
         chunks = tuple(
             Chunk(key, name, offset, numel, dtype, trainable, owner[key], wire_of.get(dtype, dtype))
             for key, (name, offset, numel, dtype, trainable) in enumerate(pieces)
         )
         digest = hashlib.sha256(repr((num_shards, chunks)).encode()).hexdigest()[:16]
+        if placement != "size":  # the size placement keeps the fingerprints it always had
+            digest = hashlib.sha256(f"{digest}/{placement}".encode()).hexdigest()[:16]
         return cls(chunks, num_shards, digest)
 
     def for_shard(self, shard: int) -> list[Chunk]:
@@ -115,6 +126,28 @@ class ShardingPlan:
         for c in self.chunks:
             load[c.shard] += c.nbytes
         return load
+
+
+def _by_size(sizes: list[int], num_shards: int) -> list[int]:
+    """Largest first, each to the shard holding the fewest bytes so far."""
+    load = [0] * num_shards
+    owner = [0] * len(sizes)
+    for key in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
+        shard = min(range(num_shards), key=lambda s: (load[s], s))
+        owner[key] = shard
+        load[shard] += sizes[key]
+    return owner
+
+
+def _by_layers(sizes: list[int], num_shards: int) -> list[int]:
+    """Contiguous runs in order: a chunk goes to the shard whose equal share of all bytes holds
+    the chunk's middle byte (every shard gets a run when there are enough chunks)."""
+    total = sum(sizes) or 1
+    owner, before = [], 0
+    for size in sizes:
+        owner.append(min(num_shards - 1, (2 * before + size) * num_shards // (2 * total)))
+        before += size
+    return owner
 
 
 def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:

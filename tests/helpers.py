@@ -41,8 +41,9 @@ def client_for(
     transport="auto",
     wire_dtype="fp32",
     error_feedback=False,
+    placement="size",
 ):
-    plan = ShardingPlan.for_model(model, len(addresses), 4 << 20, wire_dtype)
+    plan = ShardingPlan.for_model(model, len(addresses), 4 << 20, wire_dtype, placement)
     tensors = {n: t for n, t, _ in model_tensors(model)}
     return PSClient(
         addresses,
@@ -57,10 +58,10 @@ def client_for(
     )
 
 
-def shard_values(addresses, seed=0, wire_dtype="fp32") -> list[torch.Tensor]:
+def shard_values(addresses, seed=0, wire_dtype="fp32", placement="size") -> list[torch.Tensor]:
     """The shards' current master weights, read as an observer into a fresh model."""
     model = tiny_model(seed)
-    c = client_for(model, addresses, worker="observer", wire_dtype=wire_dtype)
+    c = client_for(model, addresses, worker="observer", wire_dtype=wire_dtype, placement=placement)
     try:
         c.pull(0, observer=True, master=True)
     finally:

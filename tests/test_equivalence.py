@@ -12,6 +12,7 @@ from helpers import client_for, shard_values, tiny_model
 
 from wavelet.common.datasets import LoaderDataset
 from wavelet.common.step import load_step
+from wavelet.worker.push_hooks import PushDuringBackward
 
 STEPS = 6
 BATCH = 8
@@ -42,12 +43,23 @@ def _train_wave(
     step_name: str = "classification",
     wire_dtype="fp32",
     loader_waves: int = 0,
+    early: list | None = None,
 ):
+    """``early``: push each shard as backward makes its gradients (layers placement), and
+    append, per step, the order the shards went out in and whether the first layer's gradient
+    was still to come then (backward still running)."""
     try:
         model = tiny_model()
         step_fn = load_step(step_name)
         transport = "tcp" if wave % 2 else "shm"
-        c = client_for(model, addresses, f"w{wave}", 0, transport=transport, wire_dtype=wire_dtype)
+        placement = "layers" if early is not None else "size"
+        c = client_for(
+            model, addresses, f"w{wave}", 0, transport=transport, wire_dtype=wire_dtype,
+            placement=placement,
+        )  # fmt: skip
+        pusher = None
+        if early is not None:
+            pusher = PushDuringBackward(dict(model.named_parameters()), c.chunks)
         try:
             c.register(0)
             assert c.transports == [transport] * len(addresses)
@@ -59,8 +71,21 @@ def _train_wave(
                 else:
                     x, y = _batch(wave, step, step_name != "classification")
                 model.zero_grad()
+                push = c.start_push(step, pulled.versions)
+                order = []
+                first = next(model.parameters())
+                if pusher:
+
+                    def send(shard, push=push, order=order, first=first):
+                        order.append((shard, first.grad is None))
+                        push.send(shard)
+
+                    pusher.arm(send)
                 step_fn(model, (x, y))[0].backward()
-                pulled = c.push_pull(step, pulled.versions)
+                if pusher:
+                    pusher.disarm()
+                    early.append(order)
+                pulled = push.finish()
                 assert pulled.versions == [step + 1] * len(addresses)
             c.leave()
         finally:
@@ -113,8 +138,25 @@ def test_bulk_synchronous_equals_single_process(shard_daemons, waves, optimizer,
     _assert_equal(got, _reference(waves, make_opt, step_name))
 
 
+def test_bulk_synchronous_equals_single_process_when_pushing_during_backward(shard_daemons):
+    """Each wave pushes to the shard of the last layers while backward still runs (layers
+    placement): the same updates as one process, and the pushes did go out early."""
+    args = ["--optimizer", "sgd", "--lr", "0.1", "--set", "optimizer.kwargs.momentum=0.9"]
+    daemons = shard_daemons(["--staleness", "0", *args], count=2, expect_waves=2)
+    early: list[int] = []
+    got = _train_waves(daemons.addresses, 2, early=early)
+    _assert_equal(got, _reference(2, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)))
+    # every step of both waves: the last layers' shard while backward ran, then the first's
+    assert early == [[(1, True), (0, False)]] * (2 * STEPS)
+
+
 def _train_waves(
-    addresses, waves: int, step_name="classification", wire_dtype="fp32", loader: bool = False
+    addresses,
+    waves: int,
+    step_name="classification",
+    wire_dtype="fp32",
+    loader: bool = False,
+    early: list | None = None,
 ):
     """The shards' master weights after ``waves`` waves trained STEPS steps."""
     errors: list = []
@@ -122,7 +164,7 @@ def _train_waves(
     threads = [
         threading.Thread(
             target=_train_wave,
-            args=(addresses, w, errors, step_name, wire_dtype, loader_waves),
+            args=(addresses, w, errors, step_name, wire_dtype, loader_waves, early),
         )
         for w in range(waves)
     ]
@@ -132,7 +174,8 @@ def _train_waves(
         t.join(60)
         assert not t.is_alive(), "a wave did not finish"
     assert not errors, errors
-    return shard_values(addresses, wire_dtype=wire_dtype)
+    placement = "layers" if early is not None else "size"
+    return shard_values(addresses, wire_dtype=wire_dtype, placement=placement)
 
 
 def _assert_equal(got, want) -> None:

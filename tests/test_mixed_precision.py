@@ -142,4 +142,6 @@ def test_fp16_steps_that_overflow_are_skipped_counted_and_nothing_hangs(project,
     assert "--precision fp16 on a CPU device" in done.stderr  # said up front, with what to use
     if mode == "ps":  # the shards counted the same skips
         assert sum(w["skipped"] for w in summary["waves"].values()) == 3
+        # the loss scale needs every gradient before a push: none went out during backward
+        assert all(r["pushed_in_backward"] == 0 for r in steps)
     assert summary["test_accuracy"] > 0.2  # twice chance after 3 epochs: it still learned

@@ -52,3 +52,25 @@ def test_chunk_view_writes_through():
     for c in plan.chunks:
         chunk_view(t, c).fill_(c.key + 1)
     assert t.flatten().tolist() == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4]
+
+
+def test_the_layers_placement_gives_each_shard_one_contiguous_run_of_the_model():
+    model = _resnet()
+    for shards in (2, 4):
+        plan = ShardingPlan.for_model(model, shards, 1 << 20, placement="layers")
+        owners = [c.shard for c in plan.chunks]
+        assert owners == sorted(owners) and set(owners) == set(range(shards))  # in model order
+        load = plan.bytes_per_shard()
+        biggest_chunk = max(c.nbytes for c in plan.chunks)
+        assert max(load) - min(load) <= 2 * biggest_chunk  # a cut moves at most a chunk each
+    size = ShardingPlan.for_model(model, 2, 1 << 20)
+    layers = ShardingPlan.for_model(model, 2, 1 << 20, placement="layers")
+    # the same chunks elsewhere: a shard seeded by one placement refuses the other's pushes
+    assert [(c.name, c.offset) for c in size.chunks] == [(c.name, c.offset) for c in layers.chunks]
+    assert size.fingerprint != layers.fingerprint
+
+
+def test_the_size_placement_keeps_its_fingerprint():
+    # shards checkpointed before placements existed must still accept their workers
+    plan = ShardingPlan.build([("t", torch.zeros(10), True)], 1, chunk_bytes=12)
+    assert plan.fingerprint == "0c0b072e66df1e8f"  # as computed before placements existed

@@ -102,11 +102,12 @@ def test_a_garbage_collection_inside_the_meter_does_not_deadlock():
     assert meter.current == 0
 
 
-def _run_worker(shard_daemons, tmp_path, waves: int):
-    daemons = shard_daemons([*JOB, "--waves", str(waves)], count=2, expect_waves=waves)
+def _run_worker(shard_daemons, tmp_path, waves: int, *job: str):
+    job = (*JOB, *job)
+    daemons = shard_daemons([*job, "--waves", str(waves)], count=2, expect_waves=waves)
     cmd = wavelet_cmd(
         "worker",
-        *JOB,
+        *job,
         "--waves",
         str(waves),
         "--shards",
@@ -158,11 +159,13 @@ def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path):
     assert traces and traces[0]["trace"]
 
 
-def test_single_wave_baseline_runs(shard_daemons, tmp_path):
-    records = _run_worker(shard_daemons, tmp_path, waves=1)
+def test_single_wave_baseline_runs_and_pushes_during_backward(shard_daemons, tmp_path):
+    records = _run_worker(shard_daemons, tmp_path, 1, "--placement", "layers")
     steps = [r for r in records[0] if r["kind"] == "step"]
     assert steps and all(r["baton_wait_s"] < 1.0 for r in steps)
     assert any(r["kind"] == "eval" for r in records[0])
+    # both shards' pushes left from gradient hooks, the first while backward still ran
+    assert all(r["pushed_in_backward"] == 2 and r["push_overlap_s"] > 0 for r in steps)
 
 
 @pytest.mark.gpu

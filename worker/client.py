@@ -201,19 +201,25 @@ class PSClient:
 
         ``lr_scale`` multiplies the learning rate of this update (the job's schedule). ``skip``:
         this step has no gradients to give (fp16 overflow); the shards let the clock pass."""
-        messages = []
-        for shard, chunks in enumerate(self.chunks):
-            shm = self.data.shm(shard) and not skip
-            h = self._header(
-                Op.PUSH_PULL,
-                clock=clock,
-                read_version=read_versions[shard],
-                keys=[] if skip else [c.key for c in chunks],
-                body=PushRequest(lr_scale=lr_scale, shm=shm, skip=skip),
-            )
-            messages.append((h, [] if skip else self.data.gradients(shard)))
-        self.data.flush()
-        return self._load(self._exchange(messages, lambda i: self._recover(i, clock + 1)))
+        return self.start_push(clock, read_versions, lr_scale).finish(skip)
+
+    def start_push(self, clock: int, read_versions: list[int], lr_scale: float = 1.0) -> PushRound:
+        """A push_pull whose message to each shard may go out on its own, as soon as that
+        shard's gradients are ready (``PushRound.send``, during backward); ``finish`` sends the
+        rest and waits for every reply."""
+        return PushRound(self, clock, read_versions, lr_scale)
+
+    def _push_message(self, shard: int, clock: int, read_version: int, lr_scale: float,
+                      skip: bool) -> tuple[Header, list[torch.Tensor]]:  # fmt: skip
+        shm = self.data.shm(shard) and not skip
+        h = self._header(
+            Op.PUSH_PULL,
+            clock=clock,
+            read_version=read_version,
+            keys=[] if skip else [c.key for c in self.chunks[shard]],
+            body=PushRequest(lr_scale=lr_scale, shm=shm, skip=skip),
+        )
+        return h, [] if skip else self.data.gradients(shard)
 
     @property
     def round_trip_bytes(self) -> int:
@@ -311,17 +317,27 @@ class PSClient:
 
         With ``recover``, a shard that restarted (its connection dropped and came back) is not
         waited for: ``recover(i)`` re-joins it and its result stands in for shard i's reply."""
-        self._watch_connections(block_ms=0)
-        rid = next(self._ids)
-        replies: list = [None] * len(self.sockets)
-        unsent: dict[int, tuple[Header, list[torch.Tensor]]] = {}
+        exchange = self._open_exchange()
         for i, (h, tensors) in enumerate(messages):
-            if recover is not None and self._restarted[i]:
-                replies[i] = self._rejoin(i, recover)
-                continue
-            h.request_id = rid
-            if not self._try_send(i, h, tensors):
-                unsent[i] = (h, tensors)  # no connection yet: retried below, one deadline for all
+            self._send_in(exchange, i, h, tensors, recover)
+        return self._gather(exchange, recover)
+
+    def _open_exchange(self) -> _Exchange:
+        self._watch_connections(block_ms=0)
+        return _Exchange(next(self._ids), [None] * len(self.sockets))
+
+    def _send_in(self, exchange: _Exchange, i: int, h: Header, tensors, recover) -> None:
+        """Message ``h`` of ``exchange`` to shard ``i``, queued without waiting."""
+        if recover is not None and self._restarted[i]:
+            exchange.replies[i] = self._rejoin(i, recover)
+            return
+        h.request_id = exchange.request_id
+        if not self._try_send(i, h, tensors):
+            exchange.unsent[i] = (h, tensors)  # no connection yet: retried in _gather
+
+    def _gather(self, exchange: _Exchange, recover) -> list[tuple[Header, list[torch.Tensor]]]:
+        """Every reply of ``exchange`` (or raise on the first error), under one deadline."""
+        rid, replies, unsent = exchange.request_id, exchange.replies, exchange.unsent
         deadline = time.monotonic() + self.timeout_s
         while any(r is None for r in replies):
             if self.stop.is_set():
@@ -479,3 +495,63 @@ class PSClient:
             f"{self.timeout_s:.0f}s after reconnecting",
             [self.addresses[i]],
         )
+
+
+@dataclass
+class _Exchange:
+    """One request id's messages to the shards and the replies gathered so far."""
+
+    request_id: int
+    replies: list
+    unsent: dict[int, tuple[Header, list[torch.Tensor]]] = field(default_factory=dict)
+
+
+class PushRound:
+    """One push_pull, sent shard by shard: ``send(shard)`` as soon as backward has made that
+    shard's gradients (worker/push_hooks.py calls it from a gradient hook, while backward goes
+    on), ``finish()`` for the rest and every reply. Each shard still gets one whole push: a
+    version means one push, as before."""
+
+    def __init__(self, client: PSClient, clock: int, read_versions: list[int], lr_scale: float):
+        self.client, self.clock = client, clock
+        self.read_versions, self.lr_scale = read_versions, lr_scale
+        self.exchange = client._open_exchange()
+        self.sent = [False] * len(client.sockets)
+        self.first_sent_at: float | None = None  # time.perf_counter() of the first send
+
+    @property
+    def early(self) -> int:
+        """Shards whose push went out before ``finish``."""
+        return sum(self.sent)
+
+    def send(self, shard: int) -> None:
+        """Push to ``shard`` now; a shard that restarted waits for ``finish`` (re-joining it is
+        a request of its own, not for the middle of backward)."""
+        c = self.client
+        if self.sent[shard] or c._restarted[shard]:
+            return
+        self.sent[shard] = True
+        if self.first_sent_at is None:
+            self.first_sent_at = time.perf_counter()
+        h, tensors = c._push_message(
+            shard, self.clock, self.read_versions[shard], self.lr_scale, False
+        )
+        c.data.flush()
+        c._send_in(self.exchange, shard, h, tensors, None)
+
+    def finish(self, skip: bool = False) -> PullResult:
+        """Push to every shard not pushed yet (``skip``: with no gradients, the fp16 overflow
+        case, which never pushes early) and read every shard's next weights."""
+        c = self.client
+        if skip and any(self.sent):
+            raise RuntimeError("a skipped step cannot have pushed gradients during backward")
+        late = [i for i, sent in enumerate(self.sent) if not sent]
+        messages = {
+            i: c._push_message(i, self.clock, self.read_versions[i], self.lr_scale, skip)
+            for i in late
+        }
+        c.data.flush()
+        recover = lambda i: c._recover(i, self.clock + 1)  # noqa: E731
+        for i in late:
+            c._send_in(self.exchange, i, *messages[i], recover)
+        return c._load(c._gather(self.exchange, recover))

@@ -1,9 +1,9 @@
 """Wave: one data-parallel training task on a device, with its own model replica and data part.
 
 Per iteration: take the forward baton, forward, backward (passing the baton on once backward has
-freed most of the forward's activations), then push the gradients and pull the next weights in
-one round trip. Everything a wave does is recorded as one
-JSON line per iteration in the run directory.
+freed most of the forward's activations, and pushing each shard's gradients as soon as backward
+has made them: worker/push_hooks.py), then push the rest and pull the next weights. Everything a
+wave does is recorded as one JSON line per iteration in the run directory.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from wavelet.worker.connection import client_keys
 from wavelet.worker.evaluate import eval_record, evaluate
 from wavelet.worker.loss_scale import LossScale
 from wavelet.worker.memory import SavedActivationMeter, device_memory
+from wavelet.worker.push_hooks import PushDuringBackward
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,9 @@ class Wave:
                 f"{len(part)} samples; lower --batch-size"
             )
         meter = SavedActivationMeter(model.parameters())
-        plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes, job.wire_dtype)
+        plan = ShardingPlan.for_model(
+            model, job.shards, job.chunk_bytes, job.wire_dtype, job.placement
+        )
         tensors = {name: t for name, t, _ in model_tensors(model)}
         client = PSClient(
             self.config.shard_addresses,
@@ -129,12 +132,18 @@ class Wave:
             self.config.transport,
             job.wire_error_feedback,
         )
+        # fp16 pushes nothing before its loss scale has seen every gradient
+        self.pusher = None
+        if job.push_during_backward and not self.loss_scale.enabled:
+            self.pusher = PushDuringBackward(dict(model.named_parameters()), client.chunks)
         try:
             self._run_epochs(model, meter, client, part, steps)
             if not self.stop.is_set():
                 client.leave()  # only after success: a failed wave must not wait on shards again
         finally:
             self.baton.leave(ident.local)
+            if self.pusher is not None:
+                self.pusher.close()
             client.close()
             if meter.trace:
                 self.records.write(
@@ -212,10 +221,18 @@ class Wave:
         t0 = time.perf_counter()
         loss = self._forward(model, meter, (x, y), rec)
         t1 = time.perf_counter()
-        self._backward(model, meter, self.loss_scale.scale(loss), t0)
+        push = client.start_push(clock, pulled.versions, lr_scale)
+        if self.pusher is not None:
+            self.pusher.arm(push.send)  # each shard's push as soon as backward made it
+        try:
+            self._backward(model, meter, self.loss_scale.scale(loss), t0)
+        finally:
+            if self.pusher is not None:
+                self.pusher.disarm()
+        backward_end = time.perf_counter()
         finite = self.loss_scale.unscale(model)  # fp16: an overflowing step is skipped
         t2 = time.perf_counter()
-        next_pull = client.push_pull(clock, pulled.versions, lr_scale, skip=not finite)
+        next_pull = push.finish(skip=not finite)
         self.loss_scale.update(finite)
         t3 = time.perf_counter()
         rec.update(
@@ -226,6 +243,9 @@ class Wave:
             forward_s=t1 - t0,
             backward_s=t2 - t1,
             push_pull_s=t3 - t2,
+            pushed_in_backward=push.early,  # shards pushed from gradient hooks
+            # how long backward went on after the first of them: the overlap gained
+            push_overlap_s=backward_end - push.first_sent_at if push.first_sent_at else 0.0,
             wire_bytes=client.round_trip_bytes // (1 if finite else 2),  # a skip sends nothing
             skipped=not finite,
             loss_scale=self.loss_scale.value,
