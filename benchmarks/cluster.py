@@ -10,7 +10,8 @@ on the nodes' interfaces, staleness, and where each step's time goes (from the r
 
 Modes: ``ticktock`` (one shard and one worker of two waves per node), ``ticktock-layers`` (chunks
 placed by layers, so that pushes overlap backward), ``ticktock-after`` (the same, pushing after
-backward), ``single`` (one wave), ``allreduce`` (one DDP rank per node at one wave's batch:
+backward), ``ticktock-groups`` and ``ticktock-groups-mc`` (wave groups, with momentum
+correction), ``single`` (one wave), ``allreduce`` (one DDP rank per node at one wave's batch:
 about tick-tock's memory per device), ``allreduce-2x`` (one rank per node at the batch of both
 waves: twice the activations).
 Every mode keeps the job's learning rate, as ``wavelet compare`` does without a memory budget.
@@ -62,6 +63,17 @@ MODES = {
         2,
         ("--shards-per-node", "1", "--placement", "layers", "--push-during-backward", "false"),
     ),
+    "ticktock-groups": Mode(
+        "PS, wave groups: the tick waves of all nodes average into one update, the tock waves "
+        "into the next (the paper's synchronous design)",
+        2,
+        ("--shards-per-node", "1", "--updates", "wave-groups"),
+    ),
+    "ticktock-groups-mc": Mode(
+        "wave groups with momentum corrected for their two asynchronous update streams",
+        2,
+        ("--shards-per-node", "1", "--updates", "wave-groups", "--momentum-correction", "true"),
+    ),
     "single": Mode(
         "PS: 1 shard + 1 worker of 1 wave per node", 2, ("--shards-per-node", "1", "--waves", "1")
     ),
@@ -89,16 +101,20 @@ def preflight() -> str | None:
     return None
 
 
+def rate_bits(rate: str) -> float:
+    """``1gbit``, ``100mbit``, ``500kbit`` in bits per second."""
+    for suffix, scale in {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}.items():
+        if rate.endswith(suffix):
+            try:
+                return float(rate[: -len(suffix)]) * scale
+            except ValueError:
+                break
+    raise SystemExit(f"--rates: {rate!r} is not like 1gbit, 100mbit or 500kbit")
+
+
 def tbf(rate: str) -> list[str]:
     """A token bucket at ``rate`` whose burst exceeds the MTU and one timer tick's worth."""
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
-    for suffix, scale in units.items():
-        if rate.endswith(suffix):
-            bits = float(rate[: -len(suffix)]) * scale
-            break
-    else:
-        raise SystemExit(f"--rates: {rate!r} is not like 1gbit, 100mbit or 500kbit")
-    burst = max(32 * 1024, int(bits / 8 / 250))
+    burst = max(32 * 1024, int(rate_bits(rate) / 8 / 250))
     return ["tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
 
 
@@ -254,9 +270,32 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
             else None
         ),
         step_ms={k: 1000 * v for k, v in figures.step_means.items()},
+        shard_apply_ms=shard_apply_ms(merged),
+        batch=mode.batch_factor * args.batch_size,
         wall_s=time.time() - started,
     )
     return result
+
+
+def shard_apply_ms(run_dir: Path) -> float | None:
+    """Median time a shard spent on one push (read, checks, update), from its push records."""
+    from wavelet.common.records import read_records
+
+    times = [
+        r["apply_s"]
+        for path in (run_dir / "records").glob("ps-*-pushes.jsonl")
+        for r in read_records(path)
+        if "apply_s" in r
+    ]
+    return 1000 * statistics.median(times) if times else None
+
+
+def link_ms_per_step(result: dict, rate: str) -> float | None:
+    """What one task's step moves over its node's link, in ms at ``rate``: half the bytes that
+    crossed per sample go each way (push up, pull down; a ring's send and receive), full duplex."""
+    if not (result.get("link_bytes_per_sample") and result.get("batch")):
+        return None
+    return 1000 * result["link_bytes_per_sample"] * result["batch"] / 2 * 8 / rate_bits(rate)
 
 
 def merge_nodes(run_dir: Path, nodes: int) -> Path:
@@ -290,7 +329,9 @@ def report(results: list[dict], args) -> str:
         f"Job: `{args.config or 'default'}` {' '.join(args.job)}; {args.seconds:g} s per run; "
         f"target {args.target_acc:g}; seeds {args.seeds}. Median (range) over seeds; *vs "
         "allreduce* divides by all-reduce's median at the same rate (samples/s: higher is "
-        "better; time to target: lower is better).",
+        "better; time to target: lower is better). *link ms / step*: what one task's step "
+        "moves over its node's link, at the link's rate (half the bytes each way). *shard ms / "
+        "push*: a shard's own work per push (read, checks, update), from its records.",
         "",
     ]
     for rate in args.rates:
@@ -304,9 +345,9 @@ def report(results: list[dict], args) -> str:
             f"## {rate}",
             "",
             "| mode | samples/s | vs allreduce | time to target, s | reached | vs allreduce "
-            "| final | link MB / sample | staleness | step ms (fwd / bwd / push+pull / baton / "
-            "allreduce) |",
-            "|---|---|---:|---|---|---:|---|---:|---:|---|",
+            "| final | link MB / sample | link ms / step | staleness | step ms (fwd / bwd / "
+            "push+pull / baton / bwd+allreduce) | shard ms / push |",
+            "|---|---|---:|---|---|---:|---|---:|---:|---:|---|---:|",
         ]
         for mode in args.modes:
             runs = [r for r in ok if r["mode"] == mode]
@@ -319,6 +360,8 @@ def report(results: list[dict], args) -> str:
             final = [r["final_score"] for r in runs if r["final_score"] is not None]
             mb = [r["link_bytes_per_sample"] / 1e6 for r in runs if r["link_bytes_per_sample"]]
             stale = [r["staleness_mean"] for r in runs if r["staleness_mean"] is not None]
+            link = [v for v in (link_ms_per_step(r, rate) for r in runs) if v is not None]
+            apply = [r["shard_apply_ms"] for r in runs if r.get("shard_apply_ms") is not None]
             parts = ["forward_s", "backward_s", "push_pull_s", "baton_wait_s"]
             parts.append("backward_allreduce_s")
             step = " / ".join(
@@ -337,7 +380,8 @@ def report(results: list[dict], args) -> str:
                 f"| {mode} | {median_range(sps, '{:.0f}')} | {vs_sps} | "
                 f"{median_range(ttt, '{:.1f}')} | {len(ttt)}/{len(runs)} | {vs_ttt} | "
                 f"{median_range(final, '{:.3f}')} | {median_range(mb, '{:.3f}')} | "
-                f"{median_range(stale, '{:.2f}')} | {step} |"
+                f"{median_range(link, '{:.0f}')} | {median_range(stale, '{:.2f}')} | {step} | "
+                f"{median_range(apply, '{:.1f}')} |"
             )
         lines.append("")
     lines += ["Modes:", ""] + [f"- `{m}`: {MODES[m].description}" for m in args.modes]
@@ -357,6 +401,7 @@ def parse_args(argv=None):
     p.add_argument("--target-acc", type=float, default=0.6)
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default="runs/cluster")
+    p.add_argument("--report-only", action="store_true", help="rewrite the report of --out")
     p.add_argument("job", nargs="*", help="more job flags for `wavelet run`, after --")
     args = p.parse_args(argv)
     args.rates = args.rates.split(",")
@@ -381,6 +426,11 @@ def job_batch_size(config: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report_only:  # the same flags as the run, for the report's words
+        results = json.loads((Path(args.out) / "results.json").read_text())
+        (Path(args.out) / "report.md").write_text(report(results, args))
+        print(report(results, args))
+        return 0
     why = preflight()
     if why:
         print(f"cluster.py: {why}", file=sys.stderr)

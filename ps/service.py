@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -275,6 +276,7 @@ class ShardService:
         self, peer: Peer, h: Header, body: PushRequest, tensors: list[torch.Tensor]
     ) -> tuple[WaveId, str]:
         """Validate a push completely, then apply or accumulate it, then record it."""
+        started = time.perf_counter()
         wave = self.members.registered(h, peer)
         self.shard.check_plan(h.plan)
         clock = self.clocks.clocks[wave]
@@ -303,6 +305,7 @@ class ShardService:
             action=action,
             lr_scale=lr_scale,
             policy=self.updates.policy.name,
+            apply_s=time.perf_counter() - started,  # this shard's work: read, check, update
         )
         self.updates.complete()
         return wave, action

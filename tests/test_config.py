@@ -1,5 +1,6 @@
 """Configuration: TOML files, flag overrides, validation; bad values exit 2 with one line."""
 
+import sys
 import textwrap
 
 import pytest
@@ -10,6 +11,7 @@ from wavelet.common.config import INF, ConfigError, JobConfig, from_dict
 from wavelet.common.datasets import build_dataset
 from wavelet.common.models import build_model
 from wavelet.scripts.cli import build_parser, job_from_args
+from wavelet.scripts.cli import main as cli_main
 
 
 def _job(*argv):
@@ -89,7 +91,21 @@ def test_bad_values_name_the_problem(data, words):
         ["ps", "--max-parked", "many"],
     ],
 )
-def test_cli_bad_input_is_one_line_and_exit_2(argv):
+def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys, monkeypatch):
+    # in this process, through the CLI's own main(): the same parser and checks as the command
+    # (whose process the test below starts), without a torch import per case
+    monkeypatch.setattr("sys.path", list(sys.path))
+    monkeypatch.setattr("signal.signal", lambda *a: None)  # leave pytest's handlers alone
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(argv)
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wavelet: error:"), stderr
+
+
+@pytest.mark.parametrize("argv", [["launch", "--epochs", "-1"], ["ps", "--shard-index", "5"]])
+def test_the_command_itself_says_bad_input_in_one_line_and_exits_2(argv):
     done = run_wavelet(*argv, timeout=60)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
