@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "warmup-cosine")
+WARMUP = 0.1  # warmup-cosine: the share of the budget the factor climbs from 0 to 1 over
 
 
 def lr_factor(schedule: str, progress: float) -> float:
@@ -17,6 +18,12 @@ def lr_factor(schedule: str, progress: float) -> float:
         return 1.0
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "warmup-cosine":
+        # a linear start (Goyal et al. 2017): the first, largest gradients are also the ones
+        # stale updates overshoot on; the floor keeps the very first step from being no step
+        if progress < WARMUP:
+            return max(progress / WARMUP, 0.01)
+        return 0.5 * (1.0 + math.cos(math.pi * (progress - WARMUP) / (1.0 - WARMUP)))
     raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 

@@ -179,3 +179,18 @@ def test_momentum_correction_lowers_the_shards_momentum(tmp_path):
             assert service.shard.optimizer_config.kwargs["momentum"] == pytest.approx(want)
         finally:
             service.close()
+
+
+def test_learning_rate_schedules_over_progress():
+    from wavelet.common.schedule import WARMUP, lr_factor
+
+    assert lr_factor("constant", 0.7) == 1.0
+    assert lr_factor("cosine", 0.0) == 1.0 and lr_factor("cosine", 1.0) < 1e-12
+    warm = [lr_factor("warmup-cosine", p / 100) for p in range(101)]
+    climb = int(WARMUP * 100)
+    assert warm[0] > 0 and warm[: climb + 1] == sorted(warm[: climb + 1])  # a linear climb
+    assert warm[climb // 2] == pytest.approx(0.5)
+    assert warm[climb] == 1.0 and warm[climb:] == sorted(warm[climb:], reverse=True)
+    assert warm[-1] < 1e-12
+    with pytest.raises(ValueError, match="choose one of constant, cosine, warmup-cosine"):
+        lr_factor("linear", 0.5)
