@@ -37,7 +37,7 @@ def test_the_language_model_example_learns_in_every_kind_of_mode(tmp_path):
         "--step", "examples.tiny_lm:next_token_step", "--evaluate", "examples.tiny_lm:perplexity",
         "--target-metric", "perplexity", "--target-mode", "min", "--optimizer", "adamw",
         "--lr", "0.002", "--batch-size", "16", "--epochs", "1",
-        "--set", "dataset_kwargs.max_bytes=200000", "--target-acc", "64",
+        "--set", "dataset_kwargs.max_bytes=120000", "--target-acc", "64",
         "--modes", ",".join(modes), "--out", str(out), timeout=290, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
