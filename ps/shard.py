@@ -58,6 +58,8 @@ class Shard:
         self.changes = 0  # updates and buffer uploads: what a cached wire copy is valid for
         self.wire_casts = 0  # 16-bit copies made of the weights (one per change read)
         self._wire_copy: tuple[int, list[torch.Tensor]] | None = None
+        self._all_native = True  # every chunk travels in its own dtype (set by initialize)
+        self._params_sent_as_is = True  # some parameter travels in its own dtype
 
     @property
     def initialized(self) -> bool:
@@ -112,6 +114,9 @@ class Shard:
             ChunkSpec(k, TensorDesc.of(v), bool(t), w)
             for k, v, t, w in zip(keys, values, trainable, wire_descs, strict=True)
         ]
+        # fixed by the plan: whether replies carry this memory itself or 16-bit copies of it
+        self._all_native = all(s.wire == s.desc for s in self.specs)
+        self._params_sent_as_is = any(s.wire == s.desc for s in self.specs if s.trainable)
         for spec, value in zip(self.specs, values, strict=True):
             if spec.trainable:
                 self.params[spec.key] = torch.nn.Parameter(value.clone())
@@ -192,7 +197,8 @@ class Shard:
         """``wave`` left: its buffer values (BatchNorm statistics) no longer count in the mean.
         Where it was the last to upload a key, its values stay as the key's base value."""
         values = self.wave_buffers.pop(wave, None) or {}
-        self.changes += 1
+        if values:  # the mean of the buffers changes: a cached wire copy is stale
+            self.changes += 1
         for key, value in values.items():
             if not any(key in b for b in self.wave_buffers.values()):
                 self.buffers[key] = value
@@ -225,7 +231,7 @@ class Shard:
         memory: those replies keep the old memory, and the version they were sent with, until
         ZeroMQ lets go of it. Optimizer state stays keyed by the same Parameter objects.
         With a 16-bit wire, replies carry copies (``wire_values``), never this memory."""
-        if all(s.wire != s.desc for s in self.specs if s.trainable):
+        if not self._params_sent_as_is:
             return
         if not self.weights_in_use():
             return
@@ -247,7 +253,7 @@ class Shard:
         """``values()`` in each chunk's wire dtype. A 16-bit copy is made once per change and
         served to every reader of it; it is never written in place (replies still sending it
         keep it alive), so it needs none of ``_own_weights``'s care."""
-        if all(s.wire == s.desc for s in self.specs):
+        if self._all_native:
             return self.values()
         if self._wire_copy is None or self._wire_copy[0] != self.changes:
             copy = [

@@ -44,13 +44,15 @@ def test_concurrent_waves_never_read_torn_weights(shard_daemons):
             model = tiny_model(hidden=512)
             c = client_for(model, daemons.addresses, worker=f"w{i}", transport="shm")
             try:
-                c.register(0)
-                pulled = c.pull(0)
-                for clock in range(60):
-                    if i == 2:  # the reader: reads at its clock 0 (s = inf lets it)
-                        if clock and not writing.is_set():
+                # a wave that registers after another pushed joins at the slowest live
+                # wave's clock, which may be past 0: push from the clock it was given
+                first = max(c.register(0))
+                pulled = c.pull(first)
+                for clock in range(first, first + 60):
+                    if i == 2:  # the reader: reads at its first clock (s = inf lets it)
+                        if clock > first and not writing.is_set():
                             break
-                        pulled = c.pull(0)
+                        pulled = c.pull(first)
                     else:
                         pulled = _step(model, c, pulled, clock, 0.001 * (i + 1))
                     seen[i][pulled.versions[0]] = [p.detach().clone() for p in model.parameters()]
