@@ -109,7 +109,7 @@ def rate_bits(rate: str) -> float:
                 return float(rate[: -len(suffix)]) * scale
             except ValueError:
                 break
-    raise SystemExit(f"--rates: {rate!r} is not like 1gbit, 100mbit or 500kbit")
+    raise ValueError(f"--rates: {rate!r} is not like 1gbit, 100mbit or 500kbit")
 
 
 def tbf(rate: str) -> list[str]:
@@ -412,6 +412,11 @@ def parse_args(argv=None):
         p.error(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
     if args.nodes < 2:
         p.error("--nodes must be at least 2")
+    for rate in args.rates:
+        try:
+            rate_bits(rate)  # a bad rate is refused now, not after the namespaces are made
+        except ValueError as e:
+            p.error(str(e))
     args.batch_size_given = args.batch_size is not None
     if args.batch_size is None:
         args.batch_size = job_batch_size(args.config)

@@ -209,8 +209,11 @@ class PSClient:
         rest and waits for every reply."""
         return PushRound(self, clock, read_versions, lr_scale)
 
-    def _push_message(self, shard: int, clock: int, read_version: int, lr_scale: float,
-                      skip: bool) -> tuple[Header, list[torch.Tensor]]:  # fmt: skip
+    def _push_message(
+        self, shard: int, clock: int, read_version: int, lr_scale: float, skip: bool
+    ) -> tuple[Header, list[torch.Tensor]]:
+        """Shard ``shard``'s push for ``clock``: its header, and its frames (none when the
+        gradients went into its shared-memory segment, or for a skipped step)."""
         shm = self.data.shm(shard) and not skip
         h = self._header(
             Op.PUSH_PULL,

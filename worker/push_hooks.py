@@ -6,7 +6,8 @@ runs of the model per shard, common/sharding.py) the last shard's push, its upda
 overlap the rest of backward, the way DDP all-reduces gradient buckets as they fill. With the
 ``size`` placement a shard usually holds some early layer too and its push waits for the end.
 A parameter's gradient is final when its post-accumulate-grad hook runs (once per backward, also
-for a parameter used twice).
+for a parameter used twice). On a GPU autograd runs the hooks on its own device thread while the
+wave's thread waits in ``backward()``, so a wave's sockets are still used by one thread at a time.
 """
 
 from __future__ import annotations
