@@ -193,6 +193,13 @@ class ShardDaemons:
         remove_segments(run_prefix(self.tmp))  # what a shard a test killed with -9 left
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that train end to end (marked slow) first, the rest in their order: with two test
+    processes, the last test to finish is then a short one, not a minute-long launch that one
+    process started while the other had nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def shard_daemons(tmp_path):
     """Factory: ``shard_daemons(job_args, count)`` -> running ShardDaemons, stopped after."""

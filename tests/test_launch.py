@@ -83,6 +83,7 @@ def _start_launcher(tmp_path, *extra, ignore_sigint=False):
     return cm, proc, run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ctrl_c_tears_the_job_down(tmp_path):
     # started with SIGINT ignored, as a script's background job is: Ctrl-C must still work
@@ -96,6 +97,7 @@ def test_ctrl_c_tears_the_job_down(tmp_path):
         cm.__exit__(None, None, None)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_dying_child_stops_the_job_and_is_reported(tmp_path):
     cm, proc, run_dir = _start_launcher(tmp_path)

@@ -84,6 +84,7 @@ def test_binding_beyond_loopback_needs_keys_or_insecure():
         check_bind("tcp://0.0.0.0:0", secure=False, insecure=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_launch_with_curve_trains_through_encrypted_links(tmp_path):
     run_dir = tmp_path / "run"
