@@ -37,6 +37,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from summarize_updates import median_range  # benchmarks/, beside this script
+
 from wavelet.common.figures import run_figures
 
 SUBNET = "169.254.78"  # link-local addresses inside the namespaces only
@@ -132,6 +134,10 @@ class Cluster:
     def dev(self, i: int) -> str:
         return f"wc{self.tag}n{i}"
 
+    def port(self, i: int) -> str:
+        """The bridge's end of node ``i``'s link."""
+        return f"wc{self.tag}s{i}"
+
     def addr(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
 
@@ -145,7 +151,7 @@ class Cluster:
         sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.switch, "link", "set", "br0", "up")
         for i in range(self.nodes):
-            ns, dev, port = self.ns(i), self.dev(i), f"wc{self.tag}s{i}"
+            ns, dev, port = self.ns(i), self.dev(i), self.port(i)
             sh("ip", "netns", "add", ns)
             self.made.append(ns)
             sh("ip", "link", "add", dev, "type", "veth", "peer", "name", port)
@@ -160,7 +166,7 @@ class Cluster:
     def shape(self, rate: str) -> None:
         """Both directions of every node's link at ``rate``."""
         for i in range(self.nodes):
-            for ns, dev in ((self.ns(i), self.dev(i)), (self.switch, f"wc{self.tag}s{i}")):
+            for ns, dev in ((self.ns(i), self.dev(i)), (self.switch, self.port(i))):
                 sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf(rate))
 
     def tx_bytes(self) -> int:
@@ -313,15 +319,6 @@ def merge_nodes(run_dir: Path, nodes: int) -> Path:
     return merged
 
 
-def median_range(values: list[float], fmt: str) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return fmt.format(values[0])
-    lo, mid, hi = min(values), statistics.median(values), max(values)
-    return f"{fmt.format(mid)} ({fmt.format(lo)}-{fmt.format(hi)})"
-
-
 def report(results: list[dict], args) -> str:
     lines = [
         f"# Emulated cluster: {args.nodes} nodes, {args.cores_per_node} core(s) each",
@@ -377,11 +374,11 @@ def report(results: list[dict], args) -> str:
                 else "-"
             )
             lines.append(
-                f"| {mode} | {median_range(sps, '{:.0f}')} | {vs_sps} | "
-                f"{median_range(ttt, '{:.1f}')} | {len(ttt)}/{len(runs)} | {vs_ttt} | "
-                f"{median_range(final, '{:.3f}')} | {median_range(mb, '{:.3f}')} | "
-                f"{median_range(link, '{:.0f}')} | {median_range(stale, '{:.2f}')} | {step} | "
-                f"{median_range(apply, '{:.1f}')} |"
+                f"| {mode} | {median_range(sps, 0)} | {vs_sps} | "
+                f"{median_range(ttt, 1)} | {len(ttt)}/{len(runs)} | {vs_ttt} | "
+                f"{median_range(final, 3)} | {median_range(mb, 3)} | "
+                f"{median_range(link, 0)} | {median_range(stale, 2)} | {step} | "
+                f"{median_range(apply, 1)} |"
             )
         lines.append("")
     lines += ["Modes:", ""] + [f"- `{m}`: {MODES[m].description}" for m in args.modes]

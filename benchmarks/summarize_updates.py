@@ -34,7 +34,8 @@ def rows(root: Path) -> dict[tuple[str, str], list[dict]]:
     return runs
 
 
-def _fmt(values: list[float], digits: int = 1) -> str:
+def median_range(values: list[float], digits: int = 1) -> str:
+    """The median and, over more than one value, the range: ``12.9 (10.6-15.2)``."""
     if not values:
         return "-"
     mid = statistics.median(values)
@@ -58,10 +59,10 @@ def table(root: Path) -> str:
         ]
         stale = [s for r in runs if (s := _staleness(r)) is not None]
         lines.append(
-            f"| {devices} | {name} | {_fmt(reached)} | {len(reached)}/{len(runs)} "
-            f"| {_fmt([r['samples_per_s'] for r in runs], 0)} | {_fmt(samples, 0)} "
-            f"| {_fmt([100 * (r.get('final_score') or 0) for r in runs])}% "
-            f"| {_fmt(stale, 2)} |"
+            f"| {devices} | {name} | {median_range(reached)} | {len(reached)}/{len(runs)} "
+            f"| {median_range([r['samples_per_s'] for r in runs], 0)} | {median_range(samples, 0)} "
+            f"| {median_range([100 * (r.get('final_score') or 0) for r in runs])}% "
+            f"| {median_range(stale, 2)} |"
         )
     return "\n".join(lines)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wavelet.common.config import PLACEMENTS
+from wavelet.common.config import PLACEMENTS, JobConfig
 from wavelet.common.protocol import TensorDesc, dtype_name
 
 # the job's ``wire_dtype`` setting -> the dtype name chunks travel in
@@ -76,6 +76,12 @@ class ShardingPlan:
         placement: str = "size",
     ) -> ShardingPlan:
         return cls.build(model_tensors(model), num_shards, chunk_bytes, wire_dtype, placement)
+
+    @classmethod
+    def for_job(cls, model: torch.nn.Module, job: JobConfig) -> ShardingPlan:
+        """The plan of ``job`` (its shards, chunk size, wire dtype and placement) for ``model``:
+        what every wave and every reader of a job's shards must compute alike."""
+        return cls.for_model(model, job.shards, job.chunk_bytes, job.wire_dtype, job.placement)
 
     @classmethod
     def build(

@@ -54,7 +54,7 @@ def evaluate_shards(
 ) -> Metrics:
     """Pull the shards' current weights and buffers (as an observer) and test them."""
     dataset, model = build_dataset_and_model(job, device)
-    plan = ShardingPlan.for_model(model, job.shards, job.chunk_bytes, job.wire_dtype, job.placement)
+    plan = ShardingPlan.for_job(model, job)
     tensors = {name: t for name, t, _ in model_tensors(model)}
     client = PSClient(
         addresses, plan, tensors, "eval", 0, job.request_timeout_s, context=context, keys=keys

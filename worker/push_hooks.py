@@ -60,7 +60,7 @@ class PushDuringBackward:
             for shard in self.shards_of[name]:
                 waiting = self.pending[shard]
                 waiting.discard(name)
-                if not waiting and self.needs[shard]:
+                if not waiting:
                     send(shard)
 
         return ready

@@ -115,9 +115,7 @@ class Wave:
                 f"{len(part)} samples; lower --batch-size"
             )
         meter = SavedActivationMeter(model.parameters())
-        plan = ShardingPlan.for_model(
-            model, job.shards, job.chunk_bytes, job.wire_dtype, job.placement
-        )
+        plan = ShardingPlan.for_job(model, job)
         tensors = {name: t for name, t, _ in model_tensors(model)}
         client = PSClient(
             self.config.shard_addresses,
