@@ -7,6 +7,7 @@ A TOML file holds a job (top-level keys and an ``[optimizer]`` table); flags ove
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import math
@@ -36,12 +37,20 @@ def setting(
     choices: tuple = (),
     flag: str | None = None,
     allow_inf: bool = False,
+    repeated: bool = False,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A config field with what its command-line flag shows: ``help`` (one line), ``choices``,
-    the flag's name (``flag``; derived from the field's name when None, no flag when ""), and
-    whether the float may be infinite. ``scripts/cli.py`` builds every flag from this."""
-    metadata = {"help": help, "choices": tuple(choices), "flag": flag, "allow_inf": allow_inf}
+    the flag's name (``flag``; derived from the field's name when None, no flag when ""),
+    whether the float may be infinite, and whether a list is given as the flag repeated (once
+    per item) rather than comma-separated. ``scripts/cli.py`` builds every flag from this."""
+    metadata = {
+        "help": help,
+        "choices": tuple(choices),
+        "flag": flag,
+        "allow_inf": allow_inf,
+        "repeated": repeated,
+    }
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -74,7 +83,7 @@ def command_line(config: Any) -> list[str]:
             if not isinstance(value, bool):
                 raise ConfigError(f"{f.name} must be true or false, got {value!r}")
             args.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list) and flag == "--shard":
+        elif isinstance(value, list) and f.metadata.get("repeated"):
             for item in value:
                 args += [flag, str(item)]
         elif isinstance(value, list):
@@ -173,7 +182,7 @@ class OptimizerConfig:
                 + ", ".join(sorted(_OPTIMIZERS))
             )
         _positive("optimizer.lr", self.lr)
-        self.build([torch.zeros(1, requires_grad=True)])  # bad kwargs fail now, not on a shard
+        self._check_arguments()  # bad kwargs fail now, not on a shard
 
     @property
     def effective_kwargs(self) -> dict[str, Any]:
@@ -190,10 +199,38 @@ class OptimizerConfig:
             kwargs = {**kwargs, "fused": True}
         try:
             return cls(params, lr=self.lr, **kwargs)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:
             raise ConfigError(
                 f"optimizer {self.name} rejected its arguments {kwargs}: {e}"
             ) from None
+
+    def _check_arguments(self) -> None:
+        """The optimizer's own checks of its arguments, without building one: a torch.optim
+        class checks them in its ``__init__`` before handing over to ``Optimizer.__init__``,
+        which imports torch._dynamo on first use (1.2 s per process here), so a subclass
+        stops there. The launcher and the workers, which never step an optimizer, then never
+        pay for that import."""
+        cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
+        checked = type(f"Checked{cls.__name__}", (cls, _ArgumentsOnly), {})
+        kwargs = self.effective_kwargs
+        try:
+            checked([torch.zeros(1, 1, requires_grad=True)], lr=self.lr, **kwargs)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ConfigError(
+                f"optimizer {self.name} rejected its arguments {kwargs}: {e}"
+            ) from None
+        except Exception:  # an __init__ that needs more of its base: build one after all
+            self.build([torch.zeros(1, 1, requires_grad=True)])
+
+
+class _ArgumentsOnly(torch.optim.Optimizer):
+    """The base an optimizer's ``__init__`` reaches once it has checked its arguments: keeps
+    what the rest of that ``__init__`` may read, and builds nothing."""
+
+    def __init__(self, params, defaults: dict[str, Any]) -> None:  # noqa: D107
+        self.defaults = defaults
+        self.param_groups = [{"params": list(params), **defaults}]
+        self.state = collections.defaultdict(dict)
 
 
 @dataclass
@@ -501,6 +538,15 @@ class WorkerConfig:
         default_factory=list,
         help="a shard's address, once per shard, in shard order (ps mode)",
         flag="--shard",
+        repeated=True,
+    )
+    shard_address_files: list[str] = setting(
+        default_factory=list,
+        help="instead of --shard: a file a starting shard writes its address to, once per shard, "
+        "in shard order; read once the worker has loaded its data (wavelet launch starts "
+        "workers beside their shards this way)",
+        flag="--shard-address-file",
+        repeated=True,
     )
     device: str = setting("cpu", help="the device whose waves this daemon runs: cpu, cuda:N")
     rank: int = setting(0, help="this worker's index among --num-workers")
@@ -544,10 +590,13 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.mode == "ps" and len(self.shard_addresses) != self.job.shards:
+        given = len(self.shard_addresses) or len(self.shard_address_files)
+        if self.shard_addresses and self.shard_address_files:
+            raise ConfigError("pass --shard addresses or --shard-address-file files, not both")
+        if self.mode == "ps" and given != self.job.shards:
             raise ConfigError(
-                f"got {len(self.shard_addresses)} shard addresses for a job of "
-                f"{self.job.shards} shards; pass one --shard address per shard, in shard order"
+                f"got {given} shard addresses for a job of {self.job.shards} shards; pass one "
+                "--shard address per shard, in shard order"
             )
         for a in self.shard_addresses:
             check_address("shard address", a)

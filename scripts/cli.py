@@ -108,8 +108,9 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...
         if kind is bool:
             action = argparse.BooleanOptionalAction if default else "store_true"
             p.add_argument(flag, action=action, default=default, **kw)
-        elif kind == list[str] and flag == "--shard":
-            p.add_argument(flag, action="append", default=None, metavar="ADDRESS", **kw)
+        elif kind == list[str] and f.metadata.get("repeated"):
+            metavar = "FILE" if f.name.endswith("_files") else "ADDRESS"
+            p.add_argument(flag, action="append", default=None, metavar=metavar, **kw)
         elif kind == list[str]:
             p.add_argument(flag, type=_comma_list, default=default, metavar="A,B", **kw)
         else:
@@ -131,7 +132,7 @@ def config_from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
         if f.name in fixed or not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
-        kwargs[f.name] = [] if value is None and f.metadata.get("flag") == "--shard" else value
+        kwargs[f.name] = [] if value is None and f.metadata.get("repeated") else value
     return cls(**kwargs, **fixed)
 
 

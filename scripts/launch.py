@@ -64,8 +64,11 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
         started, since = time.monotonic(), time.time()
         job_file = run_dir / "job.json"
         if config.mode == "ps":
-            addresses = _start_shards(job, job_file, tasks)
-            workers = _start_ps_workers(job, job_file, addresses)
+            # workers start beside the shards and load their data while the shards bind,
+            # reading the addresses from the files the shards write
+            shards = _start_shards(job, job_file, tasks)
+            workers = _start_ps_workers(job, job_file, [str(ready) for _, ready in shards])
+            addresses = _wait_ready(shards)
         else:
             addresses = []
             workers = _start_ranks(job, job_file, job_cfg)
@@ -183,7 +186,8 @@ def _threads_per_process(devices: list[str], per_device: int = 1) -> int:
     return max(1, usable_cores() // max(1, cpu_processes))
 
 
-def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:
+def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[tuple[Child, Path]]:
+    """Spawn the shards; each writes its address to the file beside it once bound."""
     cfg = job.config
     shards = []
     for i in range(cfg.job.shards):
@@ -211,9 +215,7 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[str]:
             )
         args = ["ps", "--config", str(job_file), *command_line(ps)]
         shards.append((job.spawn(f"ps-{i}", args), ready))
-    for child, ready in shards:
-        child.address = _wait_ready(job, child, ready)
-    return [child.address for child, _ in shards]
+    return shards
 
 
 def _worker_processes(job: Job) -> list[tuple[int, str, int]]:
@@ -226,7 +228,7 @@ def _worker_processes(job: Job) -> list[tuple[int, str, int]]:
     ]
 
 
-def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Child]:
+def _start_ps_workers(job: Job, job_file: Path, address_files: list[str]) -> list[Child]:
     cfg = job.config
     processes = _worker_processes(job)
     # Each worker process gets its share of the cores and chooses its thread layout within it
@@ -236,7 +238,7 @@ def _start_ps_workers(job: Job, job_file: Path, addresses: list[str]) -> list[Ch
     for rank, device, index in processes:
         worker = WorkerConfig(
             job=cfg.job,
-            shard_addresses=addresses,
+            shard_address_files=address_files,
             device=device,
             rank=rank,
             device_index=index,
@@ -291,17 +293,21 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(job: Job, child: Child, ready: Path) -> str:
+def _wait_ready(shards: list[tuple[Child, Path]]) -> list[str]:
+    """Each shard's address, once it has bound it. A shard that exits first stops the launch
+    now; a worker that does is reported by the supervision that follows."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        for c in job.children:  # a daemon that exits before it is ready stops the launch now
-            code = c.proc.poll()
-            if code is not None:
-                raise ChildDidNotStart(c, code)
-        if time.monotonic() > deadline:
-            raise ChildFailed(child, None)
-        time.sleep(0.05)
-    return ready.read_text().strip()
+    for child, ready in shards:
+        while not ready.exists():
+            for c, _ in shards:
+                code = c.proc.poll()
+                if code is not None:
+                    raise ChildDidNotStart(c, code)
+            if time.monotonic() > deadline:
+                raise ChildFailed(child, None)
+            time.sleep(0.05)
+        child.address = ready.read_text().strip()
+    return [child.address for child, _ in shards]
 
 
 def _finish(job: Job, job_cfg: JobConfig, addresses: list[str], progress: Progress) -> dict:

@@ -326,6 +326,11 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
             progress.read()
             print(progress.line(time.time() - started), flush=True)
     code = result[0] if result else 1
+    if daemon.stop_requested:
+        # torchrun stops the group (a process failed, or Ctrl-C): a shard may be gone, so no
+        # test of the weights and no summary, which would wait on it; the checkpoints stay
+        print("wavelet run: stopped before the end; no summary", file=sys.stderr, flush=True)
+        return 130
     publish_throughput(store, _key(role, "throughput/0"), Path(run_dir), 0)
     store.set(_key(role, "done/0"), str(code))
     done = [_key(role, f"done/{r}") for r in range(layout.workers)]

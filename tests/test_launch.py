@@ -28,6 +28,12 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def _shard_marker(run_dir: Path, index: int) -> bytes:
+    """What only shard ``index``'s command line holds: the file it writes its address to (the
+    workers' name it too, as the file they read)."""
+    return b"--ready-file\0" + str(run_dir / f"ps-{index}.addr").encode()
+
+
 def _one_process(run_dir: Path, marker: bytes) -> int:
     """The pid of the job's one process whose command line holds ``marker``."""
     found = [
@@ -141,7 +147,7 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     cm = started(
         wavelet_cmd(
-            "launch", "--run-dir", str(run_dir), "--epochs", "30", "--checkpoint-every", "50"
+            "launch", "--run-dir", str(run_dir), "--epochs", "15", "--checkpoint-every", "50"
         ),
         tmp_path / "first.log",
     )
@@ -168,7 +174,7 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     # (+2: a wave may have pushed its last step, and the shard counted it, without having
     # written that step's record when it was stopped)
     assert stopped_at - 50 <= first_resumed <= stopped_at + 2, (first_resumed, stopped_at)
-    assert max(r["clock"] for r in rows if r["kind"] == "step") == 30 * 22 - 1
+    assert max(r["clock"] for r in rows if r["kind"] == "step") == 15 * 22 - 1
     assert json.loads((run_dir / "summary.json").read_text())["test_accuracy"] >= 0.97
     _assert_nothing_left(run_dir)
 
@@ -176,10 +182,10 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp_path):
-    cm, proc, run_dir = _start_launcher(tmp_path, "--epochs", "40", "--checkpoint-every", "60")
+    cm, proc, run_dir = _start_launcher(tmp_path, "--epochs", "15", "--checkpoint-every", "60")
     try:
         wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
-        os.kill(_one_process(run_dir, b"/ps-0.addr"), signal.SIGKILL)
+        os.kill(_one_process(run_dir, _shard_marker(run_dir, 0)), signal.SIGKILL)
         assert proc.wait(30) == 1
         log = (tmp_path / "launch.log").read_text()
         assert "ps-0 exited with status -9" in log
@@ -208,11 +214,11 @@ def test_progress_shows_a_dash_until_there_is_a_number(tmp_path):
 @pytest.mark.timeout(240)
 def test_launch_restarts_a_killed_shard_and_the_job_finishes(tmp_path):
     cm, proc, run_dir = _start_launcher(
-        tmp_path, "--epochs", "30", "--checkpoint-every", "60", "--max-restarts", "1"
+        tmp_path, "--epochs", "20", "--checkpoint-every", "60", "--max-restarts", "1"
     )
     try:
         wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
-        os.kill(_one_process(run_dir, b"/ps-0.addr"), signal.SIGKILL)
+        os.kill(_one_process(run_dir, _shard_marker(run_dir, 0)), signal.SIGKILL)
         assert proc.wait(200) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     finally:
         cm.__exit__(None, None, None)

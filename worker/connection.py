@@ -3,6 +3,10 @@ and one request outside any wave (``wavelet stats``, shutdown, checkpoint)."""
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
+
 import zmq
 
 from wavelet.common.protocol import (
@@ -32,6 +36,26 @@ def connect_dealer(
         keys.apply(sock)
     sock.connect(address)
     return sock
+
+
+def wait_for_addresses(
+    files: list[str], timeout_s: float, stop: threading.Event | None = None
+) -> list[str] | None:
+    """The addresses starting shards write to ``files`` (atomically, once bound), in order;
+    None if ``stop`` is set first. Raises ShardTimeout naming the first file still missing."""
+    deadline = time.monotonic() + timeout_s
+    for name in files:
+        path = Path(name)
+        while not path.exists():
+            if stop is not None and stop.is_set():
+                return None
+            if time.monotonic() > deadline:
+                raise ShardTimeout(
+                    f"no shard wrote its address to {path} within {timeout_s:.0f} s: is that "
+                    "shard running? its log says why not"
+                )
+            time.sleep(0.05)
+    return [Path(name).read_text().strip() for name in files]
 
 
 def client_keys(config) -> ClientKeys | None:

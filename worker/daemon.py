@@ -23,9 +23,10 @@ from wavelet.common.datasets import build_dataset
 from wavelet.common.job import loader_settings
 from wavelet.common.machine import usable_cores
 from wavelet.common.models import build_model
+from wavelet.common.protocol import ShardTimeout
 from wavelet.common.step import load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
-from wavelet.worker.connection import client_keys
+from wavelet.worker.connection import client_keys, wait_for_addresses
 from wavelet.worker.heartbeat import Heartbeat
 from wavelet.worker.memory import cap_cuda_memory
 from wavelet.worker.metrics import serve_worker_metrics
@@ -33,14 +34,19 @@ from wavelet.worker.threads import ThreadChoice, choose_threads
 from wavelet.worker.wave import Wave, WaveIdentity
 
 log = logging.getLogger(__name__)
+# how long a worker started beside its shards waits for their addresses (the launcher gives
+# them 60 s to bind, then stops the job)
+SHARD_ADDRESS_WAIT_S = 120.0
 
 
 class WorkerDaemon:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.stop_event = threading.Event()
+        self.stop_requested = False  # by a signal or a caller, before the waves' end
 
     def stop(self) -> None:
+        self.stop_requested = True
         self.stop_event.set()
 
     def run(self) -> int:
@@ -48,6 +54,19 @@ class WorkerDaemon:
         cfg, job = self.config, self.config.job
         settings = loader_settings(job, cfg.device)
         dataset = build_dataset(job.dataset, job.seed, settings, **job.dataset_kwargs)
+        if cfg.shard_address_files:  # the shards started beside us: their addresses by now
+            try:
+                addresses = wait_for_addresses(
+                    cfg.shard_address_files, SHARD_ADDRESS_WAIT_S, self.stop_event
+                )
+            except ShardTimeout as e:
+                print(f"wavelet worker: {e}", file=sys.stderr)
+                return 1
+            if addresses is None:
+                return 0
+            cfg = self.config = dataclasses.replace(
+                cfg, shard_addresses=addresses, shard_address_files=[]
+            )
         choice = self._threads(dataset)
         torch.set_num_threads(choice.threads)
         cap_cuda_memory(torch.device(cfg.device), cfg.cuda_memory_gib)
