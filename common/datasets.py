@@ -9,10 +9,15 @@ own disjoint part of the training set (``part``), so no data moves over the netw
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.data as tud
 
@@ -248,20 +253,41 @@ def digits(seed: int = 0, test_fraction: float = 0.2, max_shift: int = 1) -> Dat
     """scikit-learn's 8x8 handwritten digits (1797 real images, shipped with scikit-learn).
 
     Training batches are shifted by up to ``max_shift`` pixels (0 turns that off)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    # The test split is fixed (not drawn from the job's seed) so runs are comparable.
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, y, test_size=test_fraction, random_state=0, stratify=y
-    )
+    x_tr, y_tr, x_te, y_te = _digits_split(test_fraction)
     mean, std = x_tr.mean(), x_tr.std()
 
     def prep(a):
         return torch.tensor((a - mean) / std, dtype=torch.float32).reshape(-1, 1, 8, 8)
 
     return Dataset(prep(x_tr), torch.tensor(y_tr), prep(x_te), torch.tensor(y_te), 10, max_shift)
+
+
+def _digits_split(test_fraction: float) -> list[np.ndarray]:
+    """The digits split into train and test, the same split every time (not drawn from the
+    job's seed, so runs are comparable), kept in the user's cache: importing scikit-learn (and
+    the SciPy it pulls in) cost every process that builds the dataset about a second."""
+    version = importlib.metadata.version("scikit-learn")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wavelet"
+    path = cache / f"digits-sklearn{version}-test{test_fraction}.npz"
+    try:
+        with np.load(path) as saved:
+            return [saved[k] for k in ("x_tr", "y_tr", "x_te", "y_te")]
+    except (OSError, ValueError, KeyError):  # not cached yet, or unreadable: make it again
+        pass
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    parts = train_test_split(x, y, test_size=test_fraction, random_state=0, stratify=y)
+    x_tr, x_te, y_tr, y_te = parts
+    try:  # written whole, then renamed: a process reading it meanwhile never sees half
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache, suffix=".npz", delete=False) as f:
+            np.savez(f, x_tr=x_tr, y_tr=y_tr, x_te=x_te, y_te=y_te)
+        os.replace(f.name, path)
+    except OSError:  # a read-only home: no cache, just slower starts
+        pass
+    return [x_tr, y_tr, x_te, y_te]
 
 
 def synthetic(

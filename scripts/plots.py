@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
+from wavelet.common.evaluation import format_target
+from wavelet.common.figures import RunFigures, combined_timeline
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+if TYPE_CHECKING:
+    import matplotlib.pyplot
 
-from wavelet.common.evaluation import format_target  # noqa: E402
-from wavelet.common.figures import RunFigures, combined_timeline  # noqa: E402
+
+def _pyplot() -> matplotlib.pyplot:
+    """matplotlib on first use: the launcher and every daemon import this module, and only
+    reports draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def accuracy_vs_time(runs: dict[str, RunFigures], path: Path, target: float | None = None) -> None:
@@ -18,6 +28,7 @@ def accuracy_vs_time(runs: dict[str, RunFigures], path: Path, target: float | No
     names another metric)."""
     metric = next((m.metric for m in runs.values()), "accuracy")
     scale = 100 if metric == "accuracy" else 1
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, m in runs.items():
         points = [(t, v) for t, v in m.score_curve if v is not None]
@@ -40,6 +51,7 @@ def accuracy_vs_time(runs: dict[str, RunFigures], path: Path, target: float | No
 def memory_timelines(runs: dict[str, RunFigures], path: Path, device: str = "0") -> None:
     """Per-wave saved-activation bytes of one device, and their sum, one panel per run."""
     names = [n for n, m in runs.items() if device in m.memory_traces]
+    plt = _pyplot()
     fig, axes = plt.subplots(
         len(names) or 1, 1, figsize=(8, 2.6 * max(1, len(names))), squeeze=False
     )
@@ -77,6 +89,7 @@ def memory_timelines(runs: dict[str, RunFigures], path: Path, device: str = "0")
 def staleness_histograms(staleness: dict[str, dict], path: Path) -> None:
     """One bar chart per wave: how many pushes had each staleness."""
     waves = sorted(staleness)
+    plt = _pyplot()
     fig, axes = plt.subplots(
         1, max(1, len(waves)), figsize=(3.2 * max(1, len(waves)), 3), squeeze=False
     )

@@ -1,5 +1,6 @@
 """Configuration: TOML files, flag overrides, validation; bad values exit 2 with one line."""
 
+import subprocess
 import sys
 import textwrap
 
@@ -51,12 +52,29 @@ def test_toml_then_flags_then_set(tmp_path):
         ({"optimizer": {"name": "nosuch"}}, "not in torch.optim"),
         ({"optimizer": {"name": "adam", "kwargs": {"momentum": 0.7}}}, "rejected its arguments"),
         ({"optimizer": {"lr": -1.0}}, "lr must be > 0"),
+        ({"optimizer": {"kwargs": {"momentum": -0.5}}}, "Invalid momentum value"),
+        ({"optimizer": {"name": "adam", "kwargs": {"betas": [1.5, 0.9]}}}, "Invalid beta"),
+        ({"optimizer": {"kwargs": {"fused": True, "foreach": True}}}, "cannot be `True` together"),
         ({"epochs": 0, "max_seconds": 0}, "budget"),
     ],
 )
 def test_bad_values_name_the_problem(data, words):
     with pytest.raises(ConfigError, match=words):
         from_dict(JobConfig, data)
+
+
+def test_every_torch_optimizer_passes_its_own_checks_without_loading_the_compiler():
+    # the launcher and the workers check the optimizer but never step one: the check must not
+    # import torch._dynamo, as building an optimizer does (about a second per process)
+    code = (
+        "import sys\n"
+        "from wavelet.common.config import OptimizerConfig, _OPTIMIZERS\n"
+        "for name in _OPTIMIZERS:\n"
+        "    OptimizerConfig(name=name, lr=0.01)\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
