@@ -143,7 +143,15 @@ DEFAULT_MODES = [
     if m not in ("allreduce-ckpt", "ticktock-async", "ticktock-bf16", "allreduce-bf16")
 ]
 # At a memory budget: the choices of a user whose model does not fit (docs/design.md)
-BUDGET_MODES = ["ticktock", "single", "together", "allreduce", "allreduce2", "allreduce-ckpt"]
+BUDGET_MODES = [
+    "ticktock",
+    "bsp",
+    "single",
+    "together",
+    "allreduce",
+    "allreduce2",
+    "allreduce-ckpt",
+]
 
 
 @dataclasses.dataclass
@@ -397,12 +405,44 @@ def verdict(results: list[ModeResult], target: float, budget: BudgetPlan | None)
             f"{tt.figures.samples_per_s / max(rival.figures.samples_per_s, 1e-9):.2f}x its "
             "samples/s."
         )
+    if line := _tick_tock_to_target(ok, goal):
+        lines.append(line)
     why = [_why(r.name, r.figures) for r in fast[:3]]
     lines += ["Why: " + "; ".join(w for w in why if w) + "."] if any(why) else []
     failed = [r for r in results if not r.ok]
     for r in failed:
         lines.append(f"`{r.name}` did not run: {r.error}")
     return lines
+
+
+def _tick_tock_to_target(ok: list[ModeResult], goal: str) -> str:
+    """The earliest tick-tock mode (two waves taking turns, any update rule) against the
+    earliest all-reduce variant, in time to the target; "" unless both kinds ran."""
+
+    def earliest(runs: list[ModeResult]) -> ModeResult | None:
+        done = [r for r in runs if r.figures.time_to_target_s is not None]
+        return min(done, key=lambda r: r.figures.time_to_target_s, default=None)
+
+    ticktock = [
+        r
+        for r in ok
+        if not MODES[r.name].allreduce
+        and MODES[r.name].launch.get("schedule") == "ticktock"
+        and MODES[r.name].job.get("waves") == 2
+    ]
+    allreduce = [r for r in ok if MODES[r.name].allreduce]
+    if not ticktock or not allreduce:
+        return ""
+    tt, ar = earliest(ticktock), earliest(allreduce)
+    if tt is None:
+        return f"Time to {goal}: no tick-tock mode reached it."
+    if ar is None:
+        return f"Time to {goal}: `{tt.name}` reached it, no all-reduce variant did."
+    tt_s, ar_s = tt.figures.time_to_target_s, ar.figures.time_to_target_s
+    return (
+        f"Time to {goal}, tick-tock against all-reduce: `{tt.name}` after {tt_s:.1f} s, "
+        f"`{ar.name}` after {ar_s:.1f} s ({tt_s / ar_s:.2f}x)."
+    )
 
 
 def write_report(

@@ -6,9 +6,9 @@ import matplotlib.image
 import pytest
 from conftest import run_wavelet
 
-from wavelet.common.figures import combined_timeline, peak, run_figures
+from wavelet.common.figures import RunFigures, combined_timeline, peak, run_figures
 from wavelet.common.records import read_records
-from wavelet.scripts.compare import COLUMNS, DEFAULT_MODES
+from wavelet.scripts.compare import COLUMNS, DEFAULT_MODES, ModeResult, verdict
 
 
 def test_combined_timeline_known_answer():
@@ -92,3 +92,26 @@ def test_compare_report_is_complete_and_matches_the_records(tmp_path):
     stale = rows["ticktock"][7]
     assert "w0/0" in stale and "w0/1" in stale
     assert rows["single"][5] == "1.00x"  # one wave is its own peak
+
+
+def test_the_verdict_sets_the_earliest_tick_tock_mode_against_the_earliest_all_reduce():
+    def run(name, samples_per_s, to_target):
+        figures = RunFigures(f"runs/{name}", samples_per_s, 30.0, time_to_target_s=to_target)
+        return ModeResult(name, True, figures)
+
+    results = [
+        run("ticktock", 800, 20.0),
+        run("bsp", 780, 12.0),
+        run("single", 500, 9.0),  # one wave: not tick-tock
+        run("allreduce", 810, 10.0),
+        run("allreduce2", 700, None),
+    ]
+    lines = verdict(results, 0.6, None)
+    assert lines[1].startswith("Time to 60%: `single` first, after 9.0 s")
+    assert "Tick-tock against the best all-reduce variant (`allreduce`): 0.99x" in lines[2]
+    assert lines[3] == (
+        "Time to 60%, tick-tock against all-reduce: `bsp` after 12.0 s, `allreduce` after "
+        "10.0 s (1.20x)."
+    )
+    late = [run("ticktock", 800, None), run("allreduce", 810, 10.0)]
+    assert "Time to 60%: no tick-tock mode reached it." in verdict(late, 0.6, None)
