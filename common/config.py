@@ -354,6 +354,11 @@ class JobConfig:
     drop_limit: int = setting(4, help="drop policy: gradients staler than this are dropped")
     dc_lambda: float = setting(0.04, help="dc-asgd: strength of the delay compensation")
     eval_every: int = setting(1, help="epochs between test-accuracy records (0: only at the end)")
+    eval_every_s: float = setting(
+        0.0,
+        help="also copy the model every S seconds of training and test the copies after it, so "
+        "that time to target is known to S rather than to an epoch (0: by epochs only)",
+    )
     memory_trace_iters: int = setting(
         40, help="iterations per wave whose saved-activation timeline is kept"
     )
@@ -398,7 +403,7 @@ class JobConfig:
             _positive(name, getattr(self, name))
         for name in ("epochs", "eval_every", "memory_trace_iters", "seed", "loader_workers"):
             _non_negative(name, getattr(self, name))
-        for name in ("max_seconds",):
+        for name in ("max_seconds", "eval_every_s"):
             _non_negative(name, getattr(self, name))
         for name in (
             "chunk_mib",

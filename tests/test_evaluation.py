@@ -78,3 +78,33 @@ def test_an_evaluation_without_the_headline_stops_the_job_with_one_line(project)
     assert done.returncode == 1, done.stdout[-2000:]
     assert "evaluation myevals:loss_and_accuracy returned" in done.stderr
     assert "set target_metric" in done.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["ps", "allreduce"])
+def test_copies_tested_after_training_resolve_time_to_target_finer_than_an_epoch(tmp_path, mode):
+    run_dir = tmp_path / "run"
+    done = run_wavelet(
+        "launch", "--mode", mode, "--epochs", "2", "--eval-every-s", "0.01",
+        "--run-dir", str(run_dir), timeout=110,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    evals = [
+        r
+        for p in (run_dir / "records").glob("worker-*.jsonl")
+        for r in map(json.loads, p.read_text().splitlines())
+        if r["kind"] == "eval"
+    ]
+    timed = [r for r in evals if r.get("timed")]
+    assert len(evals) - len(timed) == 2  # one at the end of each epoch, as without the flag
+    assert timed and {r["epoch"] for r in timed} <= {0, 1}
+    # tested after training, each stamped with the time its copy was taken, and how long the
+    # test took beside it
+    assert all(r["eval_s"] > 0 for r in evals)
+    for p in (run_dir / "records").glob("worker-*.jsonl"):
+        records = [json.loads(line) for line in p.read_text().splitlines()]
+        ends = {r["epoch"]: r["t"] for r in records if r["kind"] == "epoch"}
+        # each copy was taken during its epoch, by the one replica that tests
+        assert all(r["t"] < ends[r["epoch"]] for r in records if r.get("timed"))
+    figures = run_figures(run_dir, 0.5)
+    assert len(figures.score_curve) == len(evals) + 1  # and the final test

@@ -4,6 +4,7 @@ the shards' weights at the end."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 import zmq
@@ -29,6 +30,65 @@ def evaluate(
     evaluation = evaluation or Evaluation()
     batches = ((x.to(device), y.to(device)) for x, y in dataset.test_batches(batch_size))
     return evaluation(model, batches)
+
+
+def timed_eval(
+    model: torch.nn.Module,
+    dataset: Dataset | LoaderDataset,
+    device: torch.device,
+    evaluation: Evaluation,
+    epoch: int,
+    timed: bool = False,
+) -> dict:
+    """The ``eval`` record of testing ``model`` now, stamped with the time the test began (the
+    weights it saw were current then, so time to target does not include the test itself) and
+    how long it took (``eval_s``). ``timed``: a test of a copy taken between epochs."""
+    began, clock = time.time(), time.perf_counter()
+    metrics = evaluate(model, dataset, device, evaluation)
+    record = eval_record("eval", evaluation, metrics, epoch=epoch)
+    record.update(t=began, eval_s=time.perf_counter() - clock)
+    if timed:
+        record["timed"] = True
+    return record
+
+
+class TestSnapshots:
+    """Tests between epochs (``eval_every_s``) that do not pause training: every ``every_s``
+    seconds the model's state is copied to host memory, and the copies are tested once training
+    is over, each record stamped with the time its copy was taken. Time to target is then known
+    to ``every_s``, and no mode pays for these tests in training time (a test of the narrow
+    ResNet takes 0.7 s here: run inline every 2 s, it cost a quarter of the training time)."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self.taken: list[tuple[float, int, dict[str, torch.Tensor]]] = []
+        self.restart()
+
+    def restart(self) -> None:
+        """Count the next interval from now (an epoch's own test was just taken)."""
+        self.last = time.monotonic()
+
+    def maybe_take(self, model: torch.nn.Module, epoch: int) -> None:
+        if not self.every_s or time.monotonic() - self.last < self.every_s:
+            return
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self.taken.append((time.time(), epoch, state))
+        self.restart()
+
+    def test(
+        self,
+        model: torch.nn.Module,
+        dataset: Dataset | LoaderDataset,
+        device: torch.device,
+        evaluation: Evaluation,
+    ) -> Iterator[dict]:
+        """The eval record of every copy, in order (``model`` is left holding the last one)."""
+        for taken, epoch, state in self.taken:
+            model.load_state_dict(state)
+            record = timed_eval(model, dataset, device, evaluation, epoch, timed=True)
+            record["t"] = taken
+            yield record
+        self.taken.clear()
 
 
 def eval_record(kind: str, evaluation: Evaluation, metrics: Metrics, **fields) -> dict:

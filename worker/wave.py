@@ -29,7 +29,7 @@ from wavelet.common.step import load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import PSClient, StopRequested
 from wavelet.worker.connection import client_keys
-from wavelet.worker.evaluate import eval_record, evaluate
+from wavelet.worker.evaluate import TestSnapshots, timed_eval
 from wavelet.worker.loss_scale import LossScale
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 from wavelet.worker.push_hooks import PushDuringBackward
@@ -69,6 +69,7 @@ class Wave:
         self.stop = stop
         self.context = context
         self.evaluate = evaluate
+        self.snapshots = TestSnapshots(config.job.eval_every_s)
         self.metrics = metrics  # WorkerMetrics (worker/metrics.py), when they are served
         self.device = torch.device(config.device)
         self.step = load_step(self.job.step, self.job.precision)
@@ -138,6 +139,9 @@ class Wave:
             self._run_epochs(model, meter, client, part, steps)
             if not self.stop.is_set():
                 client.leave()  # only after success: a failed wave must not wait on shards again
+                tests = self.snapshots.test(model, self.dataset, self.device, self.evaluation)
+                for record in tests:  # the copies taken during training (eval_every_s)
+                    self.records.write(record)
         finally:
             self.baton.leave(ident.local)
             if self.pusher is not None:
@@ -199,8 +203,11 @@ class Wave:
                 )
                 clock += 1
                 iteration += 1
+                if self.evaluate:
+                    self.snapshots.maybe_take(model, epoch)
             if self.evaluate and job.eval_every and (epoch + 1) % job.eval_every == 0:
                 self._record_eval(model, epoch)
+                self.snapshots.restart()
             self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
 
     def _step(self, model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale):
@@ -298,5 +305,4 @@ class Wave:
             time.sleep((self.job.slow_factor - 1.0) * (time.perf_counter() - started))
 
     def _record_eval(self, model: torch.nn.Module, epoch: int) -> None:
-        metrics = evaluate(model, self.dataset, self.device, self.evaluation)
-        self.records.write(eval_record("eval", self.evaluation, metrics, epoch=epoch))
+        self.records.write(timed_eval(model, self.dataset, self.device, self.evaluation, epoch))
