@@ -74,7 +74,7 @@ class AllReduceWorker:
             ended = self._epochs(rank)
             return 0
         finally:
-            rank.finish(evaluated=ended)
+            rank.finish(evaluated=ended, stop=self.stop_event)
 
     def _epochs(self, r: _Rank) -> bool:
         """Train until the job's end or an agreed stop; True when it got there (not raised)."""
@@ -245,7 +245,7 @@ class _Rank:
             self.snapshots.restart()
         self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
 
-    def finish(self, evaluated: bool) -> None:
+    def finish(self, evaluated: bool, stop: threading.Event | None = None) -> None:
         """Final accuracy (rank 0, only when training got to its end: after a failure the error
         is what matters, not a score), the memory trace, and the records closed."""
         if self.endpoint is not None:
@@ -254,7 +254,9 @@ class _Rank:
             metrics = evaluate(self.model, self.dataset, self.device, self.evaluation)
             self.records.write(eval_record("final", self.evaluation, metrics))
             # the copies taken during training (eval_every_s), now that the model is free
-            tests = self.snapshots.test(self.model, self.dataset, self.device, self.evaluation)
+            tests = self.snapshots.test(
+                self.model, self.dataset, self.device, self.evaluation, stop
+            )
             for record in tests:
                 self.records.write(record)
         if self.meter.trace:

@@ -3,6 +3,7 @@ the shards' weights at the end."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -81,9 +82,13 @@ class TestSnapshots:
         dataset: Dataset | LoaderDataset,
         device: torch.device,
         evaluation: Evaluation,
+        stop: threading.Event | None = None,
     ) -> Iterator[dict]:
-        """The eval record of every copy, in order (``model`` is left holding the last one)."""
+        """The eval record of every copy, in order (``model`` is left holding the last one);
+        none after ``stop`` is set (a daemon asked to stop does not test on)."""
         for taken, epoch, state in self.taken:
+            if stop is not None and stop.is_set():
+                break
             model.load_state_dict(state)
             record = timed_eval(model, dataset, device, evaluation, epoch, timed=True)
             record["t"] = taken

@@ -140,7 +140,9 @@ class Wave:
             if not self.stop.is_set():
                 client.leave()  # only after success: a failed wave must not wait on shards again
                 self.baton.leave(ident.local)  # the other waves go on while this one tests
-                tests = self.snapshots.test(model, self.dataset, self.device, self.evaluation)
+                tests = self.snapshots.test(
+                    model, self.dataset, self.device, self.evaluation, self.stop
+                )
                 for record in tests:  # the copies taken during training (eval_every_s)
                     self.records.write(record)
         finally:
