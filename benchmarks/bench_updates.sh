@@ -15,7 +15,8 @@ OUT=${OUT:-runs/bench-updates}
 SEEDS=${SEEDS:-0 1 2}
 DEVICES=${DEVICES:-cpu,cpu cpu}
 VARIANTS=${VARIANTS:-plain momentum scale scale-momentum}
-JOB=(--config configs/narrow_resnet.toml --max-seconds 45 --target-acc 0.6 --memory-budget 1.3x)
+JOB=(--config configs/narrow_resnet.toml --max-seconds 45 --target-acc 0.6 --memory-budget 1.3x
+     --eval-every-s 1)
 mkdir -p "$OUT"
 for devices in $DEVICES; do
     for seed in $SEEDS; do
