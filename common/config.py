@@ -227,7 +227,7 @@ class _ArgumentsOnly(torch.optim.Optimizer):
     """The base an optimizer's ``__init__`` reaches once it has checked its arguments: keeps
     what the rest of that ``__init__`` may read, and builds nothing."""
 
-    def __init__(self, params, defaults: dict[str, Any]) -> None:  # noqa: D107
+    def __init__(self, params, defaults: dict[str, Any]) -> None:
         self.defaults = defaults
         self.param_groups = [{"params": list(params), **defaults}]
         self.state = collections.defaultdict(dict)

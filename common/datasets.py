@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,7 +273,7 @@ def _digits_split(test_fraction: float) -> list[np.ndarray]:
     try:
         with np.load(path) as saved:
             return [saved[k] for k in ("x_tr", "y_tr", "x_te", "y_te")]
-    except (OSError, ValueError, KeyError):  # not cached yet, or unreadable: make it again
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # none yet, or bad
         pass
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -283,9 +284,13 @@ def _digits_split(test_fraction: float) -> list[np.ndarray]:
     try:  # written whole, then renamed: a process reading it meanwhile never sees half
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=cache, suffix=".npz", delete=False) as f:
-            np.savez(f, x_tr=x_tr, y_tr=y_tr, x_te=x_te, y_te=y_te)
+            try:
+                np.savez(f, x_tr=x_tr, y_tr=y_tr, x_te=x_te, y_te=y_te)
+            except OSError:  # a full disk: leave no half-written file behind
+                os.unlink(f.name)
+                raise
         os.replace(f.name, path)
-    except OSError:  # a read-only home: no cache, just slower starts
+    except OSError:  # a read-only home or a full disk: no cache, just slower starts
         pass
     return [x_tr, y_tr, x_te, y_te]
 

@@ -29,3 +29,11 @@ def test_an_unreadable_cache_is_made_again(tmp_path, monkeypatch):
     assert torch.equal(got.test_x, want.test_x)
     with np.load(cached) as saved:  # written again, whole
         assert len(saved["y_te"]) == 360
+
+
+def test_a_truncated_cache_is_made_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    want = digits()
+    [cached] = (tmp_path / "wavelet").glob("digits-*.npz")
+    cached.write_bytes(cached.read_bytes()[:1000])  # a zip cut short
+    assert torch.equal(digits().train_x, want.train_x)
