@@ -51,6 +51,7 @@ STEP_PARTS = (
     "backward_s",
     "push_pull_s",
     "baton_wait_s",
+    "compute_wait_s",
     "backward_allreduce_s",
     "optimizer_s",
 )

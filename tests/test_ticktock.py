@@ -1,6 +1,7 @@
 """Tick-tock on one device: forwards never overlap and alternate, tock starts half a cycle late;
 saved-activation bytes are measured exactly."""
 
+import json
 import subprocess
 import threading
 
@@ -102,7 +103,7 @@ def test_a_garbage_collection_inside_the_meter_does_not_deadlock():
     assert meter.current == 0
 
 
-def _run_worker(shard_daemons, tmp_path, waves: int, *job: str):
+def _run_worker(shard_daemons, tmp_path, waves: int, *job: str, threads: int = 1):
     job = (*JOB, *job)
     daemons = shard_daemons([*job, "--waves", str(waves)], count=2, expect_waves=waves)
     cmd = wavelet_cmd(
@@ -113,7 +114,7 @@ def _run_worker(shard_daemons, tmp_path, waves: int, *job: str):
         "--shards",
         "2",
         "--threads",
-        "1",
+        str(threads),
         "--run-dir",
         str(tmp_path / "run"),
     )
@@ -121,6 +122,9 @@ def _run_worker(shard_daemons, tmp_path, waves: int, *job: str):
         cmd += ["--shard", a]
     done = subprocess.run(cmd, env=CHILD_ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+    layout = json.loads((tmp_path / "run" / "records" / "worker-0-threads.json").read_text())
+    # more than one torch thread per wave on a CPU: one thread computes for all the waves
+    assert layout["shared_compute"] == (threads > 1)
     records = {}
     for w in range(waves):
         path = tmp_path / "run" / "records" / f"worker-0-wave-{w}.jsonl"
@@ -128,8 +132,9 @@ def _run_worker(shard_daemons, tmp_path, waves: int, *job: str):
     return records
 
 
-def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path):
-    records = _run_worker(shard_daemons, tmp_path, waves=2)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path, threads):
+    records = _run_worker(shard_daemons, tmp_path, waves=2, threads=threads)
     steps = {w: [r for r in recs if r["kind"] == "step"] for w, recs in records.items()}
     assert len(steps[0]) == len(steps[1]) > 10
     intervals = sorted(
@@ -149,6 +154,7 @@ def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path):
             "push_pull_s",
             "baton_wait_s",
             "bound_wait_s",
+            "compute_wait_s",
             "versions_read",
             "saved_bytes_peak",
             "loss",
@@ -159,8 +165,10 @@ def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path):
     assert traces and traces[0]["trace"]
 
 
-def test_single_wave_baseline_runs_and_pushes_during_backward(shard_daemons, tmp_path):
-    records = _run_worker(shard_daemons, tmp_path, 1, "--placement", "layers")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_single_wave_baseline_runs_and_pushes_during_backward(shard_daemons, tmp_path, threads):
+    # with 2 threads the gradient hooks, and so the pushes, run on the computing thread
+    records = _run_worker(shard_daemons, tmp_path, 1, "--placement", "layers", threads=threads)
     steps = [r for r in records[0] if r["kind"] == "step"]
     assert steps and all(r["baton_wait_s"] < 1.0 for r in steps)
     assert any(r["kind"] == "eval" for r in records[0])

@@ -27,7 +27,7 @@ from wavelet.common.protocol import wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.step import AUTOCAST_DTYPES, load_step
-from wavelet.worker.evaluate import TestSnapshots, eval_record, evaluate, timed_eval
+from wavelet.worker.evaluate import TestSnapshots, eval_record, evaluate
 from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory
 from wavelet.worker.metrics import serve_worker_metrics
 
@@ -92,7 +92,7 @@ class AllReduceWorker:
                 r.step(epoch, iteration, batch, job.optimizer.lr * lr_factor(job.lr_schedule, done))
                 iteration += 1
                 if r.rank == 0:
-                    r.snapshots.maybe_take(r.model, epoch)
+                    r.tests.maybe_take(r.model, epoch)
             r.end_epoch(epoch)
         return True
 
@@ -165,7 +165,7 @@ class _Rank:
         self.evaluation = load_evaluation(job)
         self.trace_iters = job.memory_trace_iters
         self.eval_every = job.eval_every
-        self.snapshots = TestSnapshots(job.eval_every_s)
+        self.tests = TestSnapshots(job.eval_every_s, self.dataset, device, self.evaluation)
         self.part = self.dataset.part(self.rank, world, job.seed)
         self.steps = self.part.steps_per_epoch(job.batch_size)
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -239,10 +239,7 @@ class _Rank:
 
     def end_epoch(self, epoch: int) -> None:
         if self.rank == 0 and self.eval_every and (epoch + 1) % self.eval_every == 0:
-            self.records.write(
-                timed_eval(self.model, self.dataset, self.device, self.evaluation, epoch)
-            )
-            self.snapshots.restart()
+            self.tests.test_epoch(self.model, epoch, self.records.write)
         self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
 
     def finish(self, evaluated: bool, stop: threading.Event | None = None) -> None:
@@ -254,11 +251,7 @@ class _Rank:
             metrics = evaluate(self.model, self.dataset, self.device, self.evaluation)
             self.records.write(eval_record("final", self.evaluation, metrics))
             # the copies taken during training (eval_every_s), now that the model is free
-            tests = self.snapshots.test(
-                self.model, self.dataset, self.device, self.evaluation, stop
-            )
-            for record in tests:
-                self.records.write(record)
+            self.tests.test_copies(self.model, self.records.write, stop)
         if self.meter.trace:
             self.records.write({"kind": "memory_trace", "wave": 0, "trace": self.meter.trace})
         self.records.close()

@@ -2,8 +2,9 @@
 
 Threads rather than processes: on a GPU the waves then share one CUDA caching allocator, so memory
 freed by one wave's backward is really available to the other wave's forward (two processes would
-each hold their own pool), and on the CPU they share one sized thread pool instead of fighting for
-cores. See docs/design.md for the measurements behind this.
+each hold their own pool), and on the CPU their computation shares the daemon's thread and its one
+sized pool of torch threads instead of fighting for cores (worker/compute.py). See docs/design.md
+for the measurements behind this.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from wavelet.common.models import build_model
 from wavelet.common.protocol import ShardTimeout
 from wavelet.common.step import load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
+from wavelet.worker.compute import InlineCompute, SharedCompute
 from wavelet.worker.connection import client_keys, wait_for_addresses
 from wavelet.worker.heartbeat import Heartbeat
 from wavelet.worker.memory import cap_cuda_memory
@@ -69,6 +71,10 @@ class WorkerDaemon:
             )
         choice = self._threads(dataset)
         torch.set_num_threads(choice.threads)
+        # several cores per wave on a CPU: one thread computes for all (worker/compute.py)
+        on_cpu = torch.device(cfg.device).type == "cpu"
+        shared = on_cpu and choice.threads > 1
+        compute = SharedCompute(choice.threads) if shared else InlineCompute()
         cap_cuda_memory(torch.device(cfg.device), cfg.cuda_memory_gib)
         if cfg.schedule == "ticktock":
             baton = ForwardBaton(job.waves, job.baton_timeout_s)
@@ -88,13 +94,19 @@ class WorkerDaemon:
                 context,
                 evaluate=(cfg.rank == 0 and i == 0),
                 metrics=metrics,
+                compute=compute,
             )
             for i in range(job.waves)
         ]
         log.info(
-            "worker %d on %s: %d wave(s), %s", cfg.rank, cfg.device, job.waves, choice.describe()
+            "worker %d on %s: %d wave(s), %s%s",
+            cfg.rank,
+            cfg.device,
+            job.waves,
+            choice.describe(),
+            ", computing on one thread" if compute.shared else "",
         )
-        record_threads(cfg, choice)
+        record_threads(cfg, choice, compute.shared)
         runners = [
             threading.Thread(target=w.run, name=f"wave-{i}", daemon=True)
             for i, w in enumerate(waves)
@@ -112,9 +124,7 @@ class WorkerDaemon:
         heartbeat.start()
         try:
             # A wave that fails leaves the baton, and the others go on alone (DESIGN.md).
-            for r in runners:
-                while r.is_alive():
-                    r.join(0.2)
+            compute.serve(lambda: not any(r.is_alive() for r in runners))
         finally:
             heartbeat.stop()
             heartbeat.join(5.0)
@@ -142,11 +152,12 @@ class WorkerDaemon:
         return choose_threads(model, (x, y), budget, job.waves, load_step(job.step, job.precision))
 
 
-def record_threads(cfg: WorkerConfig, choice: ThreadChoice) -> None:
-    """The layout goes into the run's records, beside the waves' (compare reports it)."""
+def record_threads(cfg: WorkerConfig, choice: ThreadChoice, shared_compute: bool) -> None:
+    """The torch threads, their layout and whether the waves computed on one thread, in the run's
+    records beside the waves'."""
     path = Path(cfg.run_dir) / "records" / f"worker-{cfg.rank}-threads.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dataclasses.asdict(choice)))
+    path.write_text(json.dumps({**dataclasses.asdict(choice), "shared_compute": shared_compute}))
 
 
 def report_failures(waves: list[Wave]) -> int:

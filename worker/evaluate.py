@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 import zmq
@@ -54,19 +54,30 @@ def timed_eval(
 
 
 class TestSnapshots:
-    """Tests between epochs (``eval_every_s``) that do not pause training: every ``every_s``
-    seconds the model's state is copied to host memory, and the copies are tested once training
-    is over, each record stamped with the time its copy was taken. Time to target is then known
-    to ``every_s``, and no mode pays for these tests in training time (a test of the narrow
-    ResNet takes 0.7 s here: run inline every 2 s, it cost a quarter of the training time)."""
+    """The tests of a replica during training: at an epoch's end (``test_epoch``) and, every
+    ``every_s`` seconds in between (``eval_every_s``), on copies of the model's state taken to
+    host memory and tested once training is over (``test_copies``), each record stamped with the
+    time its copy was taken. Time to target is then known to ``every_s``, and no mode pays for
+    these tests in training time (a test of the narrow ResNet takes 0.7 s here: run inline every
+    2 s, it cost a quarter of the training time). ``compute`` runs each test (worker/compute.py;
+    default: on the calling thread)."""
 
-    def __init__(self, every_s: float):
+    def __init__(
+        self,
+        every_s: float,
+        dataset: Dataset | LoaderDataset,
+        device: torch.device,
+        evaluation: Evaluation,
+        compute: Callable[..., dict] | None = None,
+    ):
         self.every_s = every_s
+        self.dataset, self.device, self.evaluation = dataset, device, evaluation
+        self.compute = compute
         self.taken: list[tuple[float, int, dict[str, torch.Tensor]]] = []
         self.restart()
 
     def restart(self) -> None:
-        """Count the next interval from now (an epoch's own test was just taken)."""
+        """Count the next interval from now."""
         self.last = time.monotonic()
 
     def maybe_take(self, model: torch.nn.Module, epoch: int) -> None:
@@ -76,24 +87,31 @@ class TestSnapshots:
         self.taken.append((time.time(), epoch, state))
         self.restart()
 
-    def test(
+    def test_epoch(self, model: torch.nn.Module, epoch: int, write: Callable[[dict], None]):
+        """Test ``model`` now and ``write`` the record; the next copy is due ``every_s`` later."""
+        write(self._test(model, epoch))
+        self.restart()
+
+    def test_copies(
         self,
         model: torch.nn.Module,
-        dataset: Dataset | LoaderDataset,
-        device: torch.device,
-        evaluation: Evaluation,
+        write: Callable[[dict], None],
         stop: threading.Event | None = None,
-    ) -> Iterator[dict]:
-        """The eval record of every copy, in order (``model`` is left holding the last one);
-        none after ``stop`` is set (a daemon asked to stop does not test on)."""
+    ) -> None:
+        """Test every copy in order and ``write`` its record (``model`` is left holding the last
+        one); none after ``stop`` is set (a daemon asked to stop does not test on)."""
         for taken, epoch, state in self.taken:
             if stop is not None and stop.is_set():
                 break
             model.load_state_dict(state)
-            record = timed_eval(model, dataset, device, evaluation, epoch, timed=True)
+            record = self._test(model, epoch, timed=True)
             record["t"] = taken
-            yield record
+            write(record)
         self.taken.clear()
+
+    def _test(self, model: torch.nn.Module, epoch: int, timed: bool = False) -> dict:
+        args = (model, self.dataset, self.device, self.evaluation, epoch, timed)
+        return self.compute(timed_eval, *args) if self.compute else timed_eval(*args)
 
 
 def eval_record(kind: str, evaluation: Evaluation, metrics: Metrics, **fields) -> dict:

@@ -15,7 +15,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from wavelet.common.prometheus import MetricsEndpoint
 
-TIMES = ("forward_s", "backward_s", "push_pull_s", "baton_wait_s", "bound_wait_s")
+TIMES = (
+    "forward_s",
+    "backward_s",
+    "push_pull_s",
+    "baton_wait_s",
+    "bound_wait_s",
+    "compute_wait_s",
+)
 
 
 class WorkerMetrics:

@@ -28,8 +28,9 @@ from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.common.step import load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import PSClient, StopRequested
+from wavelet.worker.compute import InlineCompute, SharedCompute
 from wavelet.worker.connection import client_keys
-from wavelet.worker.evaluate import TestSnapshots, timed_eval
+from wavelet.worker.evaluate import TestSnapshots
 from wavelet.worker.loss_scale import LossScale
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 from wavelet.worker.push_hooks import PushDuringBackward
@@ -60,6 +61,7 @@ class Wave:
         context: zmq.Context,
         evaluate: bool = False,
         metrics=None,
+        compute: InlineCompute | SharedCompute | None = None,
     ):
         self.ident = ident
         self.config = config
@@ -69,12 +71,16 @@ class Wave:
         self.stop = stop
         self.context = context
         self.evaluate = evaluate
-        self.snapshots = TestSnapshots(config.job.eval_every_s)
         self.metrics = metrics  # WorkerMetrics (worker/metrics.py), when they are served
+        # where forwards, backwards and tests run (worker/compute.py)
+        self.compute = compute or InlineCompute()
         self.device = torch.device(config.device)
         self.step = load_step(self.job.step, self.job.precision)
         self.loss_scale = LossScale(enabled=self.job.precision == "fp16")
         self.evaluation = load_evaluation(self.job)
+        self.tests = TestSnapshots(
+            self.job.eval_every_s, dataset, self.device, self.evaluation, self.compute
+        )
         self.keys = client_keys(config)
         self.error: BaseException | None = None
         name = f"worker-{config.rank}-wave-{ident.local}"
@@ -83,6 +89,7 @@ class Wave:
     def run(self) -> None:
         """Thread body: train, then leave the shards; any failure is kept in ``self.error``."""
         try:
+            self.compute.enter_wave_thread()
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             self._train()
@@ -140,11 +147,8 @@ class Wave:
             if not self.stop.is_set():
                 client.leave()  # only after success: a failed wave must not wait on shards again
                 self.baton.leave(ident.local)  # the other waves go on while this one tests
-                tests = self.snapshots.test(
-                    model, self.dataset, self.device, self.evaluation, self.stop
-                )
-                for record in tests:  # the copies taken during training (eval_every_s)
-                    self.records.write(record)
+                # the copies taken during training (eval_every_s)
+                self.tests.test_copies(model, self.records.write, self.stop)
         finally:
             self.baton.leave(ident.local)
             if self.pusher is not None:
@@ -207,10 +211,9 @@ class Wave:
                 clock += 1
                 iteration += 1
                 if self.evaluate:
-                    self.snapshots.maybe_take(model, epoch)
+                    self.tests.maybe_take(model, epoch)
             if self.evaluate and job.eval_every and (epoch + 1) % job.eval_every == 0:
-                self._record_eval(model, epoch)
-                self.snapshots.restart()
+                self.tests.test_epoch(model, epoch, self.records.write)
             self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
 
     def _step(self, model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale):
@@ -227,17 +230,19 @@ class Wave:
         }
         baton_wait = self.baton.acquire(self.ident.local)
         t0 = time.perf_counter()
-        loss = self._forward(model, meter, (x, y), rec)
+        loss, forward_s = self.compute(self._forward, model, meter, (x, y), rec)
         t1 = time.perf_counter()
         push = client.start_push(clock, pulled.versions, lr_scale)
         if self.pusher is not None:
             self.pusher.arm(push.send)  # each shard's push as soon as backward made it
         try:
-            self._backward(model, meter, self.loss_scale.scale(loss), t0)
+            backward_run_s = self.compute(self._backward, model, meter, self.loss_scale.scale(loss))
         finally:
             if self.pusher is not None:
                 self.pusher.disarm()
         backward_end = time.perf_counter()
+        if self.ident.global_index == self.job.slow_wave:  # a straggler, on request
+            time.sleep((self.job.slow_factor - 1.0) * (backward_end - t0))
         finite = self.loss_scale.unscale(model)  # fp16: an overflowing step is skipped
         t2 = time.perf_counter()
         next_pull = push.finish(skip=not finite)
@@ -248,8 +253,10 @@ class Wave:
             loss=float(loss.detach()),
             samples=len(y),
             baton_wait_s=baton_wait,
-            forward_s=t1 - t0,
-            backward_s=t2 - t1,
+            forward_s=forward_s,
+            backward_s=backward_run_s + (t2 - backward_end),
+            # waiting for the thread that computes for every wave (worker/compute.py)
+            compute_wait_s=(t1 - t0 - forward_s) + (backward_end - t1 - backward_run_s),
             push_pull_s=t3 - t2,
             pushed_in_backward=push.early,  # shards pushed from gradient hooks
             # how long backward went on after the first of them: the overlap gained
@@ -271,10 +278,11 @@ class Wave:
             self.metrics.record(self.ident.name, rec)
         return next_pull
 
-    def _forward(self, model, meter, batch, rec: dict) -> torch.Tensor:
-        """The loss, computed while this wave holds the baton (acquired by the caller); the
-        baton passes on once backward has freed enough of these activations."""
+    def _forward(self, model, meter, batch, rec: dict) -> tuple[torch.Tensor, float]:
+        """The loss and how long it took, computed while this wave holds the baton (acquired by
+        the caller); the baton passes on once backward has freed enough of these activations."""
         wave = self.ident.local
+        began = time.perf_counter()
         try:
             meter.reset_peak()
             rec["t_forward_start"] = time.time()
@@ -293,9 +301,11 @@ class Wave:
         except BaseException:
             self.baton.release(wave)
             raise
-        return loss
+        return loss, time.perf_counter() - began
 
-    def _backward(self, model, meter, loss: torch.Tensor, started: float) -> None:
+    def _backward(self, model, meter, loss: torch.Tensor) -> float:
+        """Backward (pushing as it goes, where the pusher is armed); how long it took."""
+        began = time.perf_counter()
         model.zero_grad(set_to_none=True)
         try:
             loss.backward()
@@ -304,8 +314,4 @@ class Wave:
             self.baton.release(self.ident.local)  # a no-op if the watch already passed it on
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        if self.ident.global_index == self.job.slow_wave:  # a straggler, on request
-            time.sleep((self.job.slow_factor - 1.0) * (time.perf_counter() - started))
-
-    def _record_eval(self, model: torch.nn.Module, epoch: int) -> None:
-        self.records.write(timed_eval(model, self.dataset, self.device, self.evaluation, epoch))
+        return time.perf_counter() - began

@@ -1,0 +1,149 @@
+"""The waves' computation on one thread (worker/compute.py): calls run on the serving thread,
+results and errors come back to the caller, nothing waits forever once serving ends, and the
+process keeps one pool of torch threads."""
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import CHILD_ENV
+
+from wavelet.worker.compute import ComputeStopped, InlineCompute, SharedCompute
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_compute import SETTINGS  # noqa: E402
+
+
+def _in_thread(fn):
+    """Run ``fn`` on a new thread; its result or exception, as ("ok"|"error", value)."""
+    out = []
+
+    def body():
+        try:
+            out.append(("ok", fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.append(("error", e))
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_calls_run_on_the_serving_thread_and_hand_back_results_and_errors():
+    compute = SharedCompute(threads=1)
+    owner = threading.get_ident()
+
+    def where(x):
+        return threading.get_ident(), x * 2
+
+    def fails():
+        raise ValueError("bad batch")
+
+    t1, out1 = _in_thread(lambda: compute(where, 21))
+    t2, out2 = _in_thread(lambda: compute(fails))
+    compute.serve(lambda: not (t1.is_alive() or t2.is_alive()), poll_s=0.05)
+    t1.join(10)
+    t2.join(10)
+    assert out1 == [("ok", (owner, 42))]
+    kind, error = out2[0]
+    assert kind == "error" and isinstance(error, ValueError) and str(error) == "bad batch"
+    # the serving thread's own calls run at once
+    assert compute(where, 1) == (owner, 2)
+
+
+def test_a_call_made_after_serving_ended_fails_instead_of_waiting():
+    compute = SharedCompute(threads=1)
+    compute.serve(lambda: True)  # the waves are gone
+    t, out = _in_thread(lambda: compute(lambda: "never"))
+    t.join(10)
+    assert not t.is_alive()
+    assert out[0][0] == "error" and isinstance(out[0][1], ComputeStopped)
+
+
+def test_inline_compute_runs_where_it_is_called():
+    compute = InlineCompute()
+    t, out = _in_thread(lambda: compute(threading.get_ident))
+    t.join(10)
+    assert out == [("ok", t.ident)]
+    compute.serve(lambda: True)
+
+
+ONE_POOL = """
+import json, os, threading, torch
+from wavelet.worker.compute import SharedCompute
+
+def task_count():
+    return len(os.listdir("/proc/self/task"))
+
+x = torch.randn(600, 600)
+compute = SharedCompute(threads=2)
+compute(torch.mm, x, x)  # the serving thread's pool: one helper
+before = task_count()
+counts = []
+
+def wave():
+    compute.enter_wave_thread()
+    for _ in range(5):
+        compute(torch.mm, x, x)
+        (x * 2).sum()  # work of the wave's own: big enough for torch to split
+    counts.append((torch.get_num_threads(), task_count()))
+
+waves = [threading.Thread(target=wave) for _ in range(2)]
+for w in waves:
+    w.start()
+compute.serve(lambda: len(counts) == 2)
+print(json.dumps({"before": before, "waves": counts, "owner": torch.get_num_threads()}))
+"""
+
+
+def test_waves_add_no_pool_of_torch_threads_of_their_own():
+    env = {k: v for k, v in CHILD_ENV.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_POOL], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout)
+    assert seen["owner"] == 2
+    for wave_threads, tasks in seen["waves"]:
+        assert wave_threads == 1
+        # the two wave threads themselves, at most; no helpers of their own
+        assert tasks <= seen["before"] + 2, seen
+
+
+@pytest.mark.parametrize("compute", [InlineCompute(), SharedCompute(threads=1)])
+def test_serve_returns_once_done(compute):
+    flag = threading.Event()
+    t = threading.Timer(0.2, flag.set)
+    t.start()
+    compute.serve(flag.is_set, poll_s=0.05)
+    assert flag.is_set()
+
+
+def test_the_benchmark_runs_every_setting(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "bench_compute.py"),
+            "--config",
+            str(root / "configs" / "digits.toml"),
+            "--steps",
+            "3",
+            "--repeats",
+            "1",
+            "--threads",
+            "2",
+        ],  # fmt: skip
+        env={k: v for k, v in CHILD_ENV.items() if k != "OMP_NUM_THREADS"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0][2:] for row in rows] == list(SETTINGS)
+    assert rows[0].endswith("| 1.00x |")
