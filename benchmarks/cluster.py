@@ -11,10 +11,13 @@ on the nodes' interfaces, staleness, and where each step's time goes (from the r
 Modes: ``ticktock`` (one shard and one worker of two waves per node), ``ticktock-layers`` (chunks
 placed by layers, so that pushes overlap backward), ``ticktock-after`` (the same, pushing after
 backward), ``ticktock-groups`` and ``ticktock-groups-mc`` (wave groups, with momentum
-correction), ``single`` (one wave), ``allreduce`` (one DDP rank per node at one wave's batch:
-about tick-tock's memory per device), ``allreduce-2x`` (one rank per node at the batch of both
-waves: twice the activations).
-Every mode keeps the job's learning rate, as ``wavelet compare`` does without a memory budget.
+correction), ``bsp`` (bulk-synchronous: every wave of a clock averaged into one update),
+``single`` (one wave), ``allreduce`` (one DDP rank per node at one wave's batch: about
+tick-tock's memory per device), ``allreduce-2x`` (one rank per node at the batch of both waves:
+twice the activations).
+The learning rate is the job's, except where one update averages more samples than all-reduce's
+at one wave's batch: ``bsp`` (all waves of a clock) and ``allreduce-2x`` take it times the
+samples per update over all-reduce's (linear scaling, as ``wavelet compare --memory-budget``).
 
 Needs root, ``ip`` and ``tc``; nothing leaves the namespaces it makes, and it removes them. Run:
 
@@ -50,6 +53,7 @@ class Mode:
     processes: int  # per node
     args: tuple[str, ...]
     batch_factor: int = 1
+    lr_factor: float = 1.0  # the job's lr times this: samples per update over all-reduce's
 
 
 MODES = {
@@ -76,6 +80,13 @@ MODES = {
         2,
         ("--shards-per-node", "1", "--updates", "wave-groups", "--momentum-correction", "true"),
     ),
+    "bsp": Mode(
+        "PS, bulk-synchronous: the waves of all nodes average into one update per clock "
+        "(staleness 0; the lr times 2: twice all-reduce's samples per update)",
+        2,
+        ("--shards-per-node", "1", "--staleness", "0"),
+        lr_factor=2.0,
+    ),
     "single": Mode(
         "PS: 1 shard + 1 worker of 1 wave per node", 2, ("--shards-per-node", "1", "--waves", "1")
     ),
@@ -85,6 +96,7 @@ MODES = {
         1,
         ("--mode", "allreduce"),
         batch_factor=2,
+        lr_factor=2.0,
     ),
 }
 
@@ -214,6 +226,8 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
     elif args.batch_size_given:
         job += ["--batch-size", str(args.batch_size)]
     job += args.job
+    if mode.lr_factor != 1.0:
+        job += ["--lr", repr(mode.lr_factor * job_lr(args.config, args.job))]
     procs = []
     before = cluster.tx_bytes()
     started = time.time()
@@ -281,6 +295,16 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
         wall_s=time.time() - started,
     )
     return result
+
+
+def job_lr(config: str | None, extra: list[str]) -> float:
+    """The job's learning rate: from ``--lr`` among the extra job flags, else the config file,
+    else the default."""
+    from wavelet.common.config import JobConfig, from_dict, load_toml
+
+    if "--lr" in extra:
+        return float(extra[extra.index("--lr") + 1])
+    return from_dict(JobConfig, load_toml(config) if config else {}).optimizer.lr
 
 
 def shard_apply_ms(run_dir: Path) -> float | None:

@@ -68,3 +68,18 @@ def test_two_emulated_nodes_run_every_mode_and_report(tmp_path):
     assert results["ticktock"]["shard_apply_ms"] > 0
     report = (out / "report.md").read_text()
     assert "| ticktock |" in report and "| allreduce |" in report and "## 100mbit" in report
+
+
+def test_modes_that_average_more_samples_scale_the_jobs_learning_rate():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cluster
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    config = str(ROOT / "configs" / "narrow_resnet.toml")
+    assert cluster.job_lr(config, []) == 0.05  # the config file's
+    assert cluster.job_lr(config, ["--staleness", "0", "--lr", "0.3"]) == 0.3  # the flag wins
+    assert cluster.job_lr(None, []) == 0.05  # the default job's
+    # bsp averages the 4 waves of two nodes: twice all-reduce's samples per update
+    assert cluster.MODES["bsp"].lr_factor == 2.0
+    assert cluster.MODES["allreduce"].lr_factor == 1.0
