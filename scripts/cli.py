@@ -248,14 +248,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     config = config_from_args(WorkerConfig, args, job=job_from_args(args))
     if config.mode == "allreduce":
-        from wavelet.worker.allreduce import AllReduceWorker
+        from wavelet.worker.allreduce import AllReduceWorker, exit_rank
 
-        daemon = AllReduceWorker(config)
-    else:
-        from wavelet.worker.daemon import WorkerDaemon
+        rank = AllReduceWorker(config)
+        on_signals(rank.stop)
+        exit_rank(rank.run())
+    from wavelet.worker.daemon import WorkerDaemon
 
-        check_job(config.job, config.num_workers * config.job.waves)
-        daemon = WorkerDaemon(config)
+    check_job(config.job, config.num_workers * config.job.waves)
+    daemon = WorkerDaemon(config)
     on_signals(daemon.stop)
     return daemon.run()
 

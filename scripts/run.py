@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 from wavelet.common.config import ConfigError, PSConfig, RunConfig, WorkerConfig
 from wavelet.common.machine import interface_of, usable_cores
@@ -358,10 +359,10 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
     return 0
 
 
-def _allreduce_rank(config: RunConfig, role: Role) -> int:
+def _allreduce_rank(config: RunConfig, role: Role) -> NoReturn:
     import torch
 
-    from wavelet.worker.allreduce import AllReduceWorker
+    from wavelet.worker.allreduce import AllReduceWorker, exit_rank
 
     _gloo_interface(role)
     device = f"cuda:{role.local_rank}" if torch.cuda.is_available() else "cpu"
@@ -392,7 +393,7 @@ def _allreduce_rank(config: RunConfig, role: Role) -> int:
             Path(run_dir), "allreduce (torchrun)", job, [], progress, job_wide=throughput
         )
         print("\n" + format_summary(summary), flush=True)
-    return code
+    exit_rank(code)
 
 
 def publish_throughput(store, key: str, run_dir: Path, rank: int) -> None:

@@ -81,13 +81,19 @@ def test_an_evaluation_without_the_headline_stops_the_job_with_one_line(project)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["ps", "allreduce"])
-def test_copies_tested_after_training_resolve_time_to_target_finer_than_an_epoch(tmp_path, mode):
+@pytest.mark.parametrize(
+    "mode, devices", [("ps", "cpu"), ("allreduce", "cpu"), ("allreduce", "cpu,cpu")]
+)
+def test_copies_tested_after_training_resolve_time_to_target_finer_than_an_epoch(
+    tmp_path, mode, devices
+):
     run_dir = tmp_path / "run"
     done = run_wavelet(
-        "launch", "--mode", mode, "--epochs", "2", "--eval-every-s", "0.01",
+        "launch", "--mode", mode, "--devices", devices, "--epochs", "2", "--eval-every-s", "0.01",
         "--run-dir", str(run_dir), timeout=110,
     )  # fmt: skip
+    # two ranks: rank 1 ends while rank 0 still tests (its teardown: worker/allreduce.py,
+    # exit_rank)
     assert done.returncode == 0, done.stderr[-2000:]
     evals = [
         r
