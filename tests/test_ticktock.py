@@ -13,6 +13,7 @@ from torch import nn
 from wavelet.common.records import read_records
 from wavelet.worker.baton import ForwardBaton
 from wavelet.worker.memory import SavedActivationMeter
+from wavelet.worker.metrics import TIMES
 
 JOB = [
     "--model",
@@ -146,19 +147,9 @@ def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path, thread
     assert [w for _, _, w in intervals] == [0, 1] * len(steps[0])
     # tock's first forward starts when tick's first forward has ended (the half-cycle offset)
     assert steps[1][0]["t_forward_start"] >= steps[0][0]["t_forward_end"]
-    # every step carries its timings, versions read and memory
+    # every step carries its timings (those Prometheus counts), versions read and memory
     for r in steps[0] + steps[1]:
-        for key in (
-            "forward_s",
-            "backward_s",
-            "push_pull_s",
-            "baton_wait_s",
-            "bound_wait_s",
-            "compute_wait_s",
-            "versions_read",
-            "saved_bytes_peak",
-            "loss",
-        ):
+        for key in (*TIMES, "versions_read", "saved_bytes_peak", "loss"):
             assert key in r
         assert r["saved_bytes_peak"] > 0
     traces = [r for r in records[0] if r["kind"] == "memory_trace"]
