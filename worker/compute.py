@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,9 +41,8 @@ class InlineCompute:
 
     def serve(self, done: Callable[[], bool], poll_s: float = 0.2) -> None:
         """Wait until ``done()`` (the waves compute by themselves)."""
-        stopped = threading.Event()
         while not done():
-            stopped.wait(poll_s)
+            time.sleep(poll_s)
 
 
 class SharedCompute:

@@ -71,11 +71,11 @@ class WorkerDaemon:
             )
         choice = self._threads(dataset)
         torch.set_num_threads(choice.threads)
+        device = torch.device(cfg.device)
         # several cores per wave on a CPU: one thread computes for all (worker/compute.py)
-        on_cpu = torch.device(cfg.device).type == "cpu"
-        shared = on_cpu and choice.threads > 1
+        shared = device.type == "cpu" and choice.threads > 1
         compute = SharedCompute(choice.threads) if shared else InlineCompute()
-        cap_cuda_memory(torch.device(cfg.device), cfg.cuda_memory_gib)
+        cap_cuda_memory(device, cfg.cuda_memory_gib)
         if cfg.schedule == "ticktock":
             baton = ForwardBaton(job.waves, job.baton_timeout_s)
         else:
@@ -142,7 +142,7 @@ class WorkerDaemon:
         if cfg.threads:
             return ThreadChoice(cfg.threads, "fixed")
         budget = cfg.core_budget or usable_cores()
-        if cfg.device != "cpu" and not cfg.device.startswith("cpu"):
+        if torch.device(cfg.device).type != "cpu":
             return ThreadChoice(max(1, budget // job.waves), "narrow")  # a GPU computes
         model = build_model(
             job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs

@@ -39,16 +39,17 @@ def timed_eval(
     device: torch.device,
     evaluation: Evaluation,
     epoch: int,
-    timed: bool = False,
+    taken_at: float | None = None,
 ) -> dict:
-    """The ``eval`` record of testing ``model`` now, stamped with the time the test began (the
-    weights it saw were current then, so time to target does not include the test itself) and
-    how long it took (``eval_s``). ``timed``: a test of a copy taken between epochs."""
+    """The ``eval`` record of testing ``model`` now, stamped with the time its weights were
+    current (so time to target does not include the test itself): when the test began, or
+    ``taken_at`` for a copy taken between epochs (then marked ``timed``); and how long the test
+    took (``eval_s``)."""
     began, clock = time.time(), time.perf_counter()
     metrics = evaluate(model, dataset, device, evaluation)
     record = eval_record("eval", evaluation, metrics, epoch=epoch)
-    record.update(t=began, eval_s=time.perf_counter() - clock)
-    if timed:
+    record.update(t=began if taken_at is None else taken_at, eval_s=time.perf_counter() - clock)
+    if taken_at is not None:
         record["timed"] = True
     return record
 
@@ -104,13 +105,11 @@ class TestSnapshots:
             if stop is not None and stop.is_set():
                 break
             model.load_state_dict(state)
-            record = self._test(model, epoch, timed=True)
-            record["t"] = taken
-            write(record)
+            write(self._test(model, epoch, taken))
         self.taken.clear()
 
-    def _test(self, model: torch.nn.Module, epoch: int, timed: bool = False) -> dict:
-        args = (model, self.dataset, self.device, self.evaluation, epoch, timed)
+    def _test(self, model: torch.nn.Module, epoch: int, taken_at: float | None = None) -> dict:
+        args = (model, self.dataset, self.device, self.evaluation, epoch, taken_at)
         return self.compute(timed_eval, *args) if self.compute else timed_eval(*args)
 
 
