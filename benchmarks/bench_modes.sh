@@ -3,7 +3,7 @@
 # two waves started together, bulk-synchronous and all-reduce (wavelet compare), and staleness
 # sweeps with and without a straggler (wavelet tune). Reports land in runs/bench/*/report.md.
 # About an hour on a 2-core machine; run nothing else meanwhile. `bash benchmarks/bench_modes.sh
-# compare`, `... tune` or `... budget` (equal-memory tables, about 25 minutes) runs one part.
+# compare`, `... tune` or `... budget` (equal-memory tables, about 30 minutes) runs one part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=${WAVELET:-.venv/bin/wavelet}

@@ -80,6 +80,12 @@ MODES = {
         2,
         ("--shards-per-node", "1", "--updates", "wave-groups", "--momentum-correction", "true"),
     ),
+    "ticktock-turns": Mode(
+        "PS, wave groups in strict turns: each group reads the other's latest update (no "
+        "staleness; a group's forward waits for the other's update)",
+        2,
+        ("--shards-per-node", "1", "--updates", "wave-turns"),
+    ),
     "bsp": Mode(
         "PS, bulk-synchronous: the waves of all nodes average into one update per clock "
         "(staleness 0; the lr times 2: twice all-reduce's samples per update)",

@@ -140,7 +140,9 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sgd": {"momentum": 0.7}}
 MODES = ("ps", "allreduce")
 # Names of ps/policy.py's policies (kept here so config has no dependency on the ps package).
 STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
-UPDATES = ("async", "wave-groups")  # how a shard turns pushes into updates (ps/synchronous.py)
+# how a shard turns pushes into updates (ps/synchronous.py)
+UPDATES = ("async", "wave-groups", "wave-turns")
+GROUPED_UPDATES = ("wave-groups", "wave-turns")  # a group per local wave index, taking turns
 UPDATE_LRS = ("full", "by-samples")  # the step size of one update (docs/tuning.md)
 PRECISIONS = ("fp32", "bf16", "fp16")  # of the forward (torch.autocast); parameters stay fp32
 # dtype of gradients and weights between waves and shards; shards keep fp32 master weights
@@ -336,7 +338,10 @@ class JobConfig:
         "async",
         help="async: every push is an update (within the staleness bound); wave-groups: the "
         "tick waves of all devices average into one update, the tock waves into the next, in "
-        "turns (MLSys 2021; the turn order replaces the staleness bound)",
+        "turns, each one update behind the other group (MLSys 2021; the turn order replaces the "
+        "staleness bound); wave-turns: the same groups in strict turns, each reading the other's "
+        "latest update (no staleness, and no overlap of one group's forward with the other's "
+        "step: for devices that compute one wave at a time, such as a CPU)",
         choices=UPDATES,
     )
     update_lr: str = setting(
@@ -426,12 +431,12 @@ class JobConfig:
             raise ConfigError(f"staleness must be a whole number >= 0 or inf, got {s!r}")
         if s != INF:
             self.staleness = int(s)
-        if self.updates == "wave-groups" and self.staleness == 0:
+        if self.updates in GROUPED_UPDATES and self.staleness == 0:
             raise ConfigError(
-                "updates = wave-groups keeps the tick and tock groups one update apart, but "
-                "staleness 0 asks for one bulk-synchronous update of all waves: drop "
-                "--staleness 0 (wave groups use no staleness bound: their turn order is the "
-                "bound), or use updates = async with staleness 0"
+                f"updates = {self.updates} averages the tick and the tock groups into updates "
+                "of their own, but staleness 0 asks for one bulk-synchronous update of all "
+                "waves: drop --staleness 0 (wave groups use no staleness bound: their turn "
+                "order is the bound), or use updates = async with staleness 0"
             )
 
     @property

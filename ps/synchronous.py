@@ -10,12 +10,17 @@ Two ways to group the waves of a job:
   averages its gradients of a clock into one update, as data-parallel tasks do; the groups take
   turns on the same shards, half a cycle apart, so each group's update lands between two of the
   other's and every update after the first is exactly one group-step stale.
+- wave turns (``updates = "wave-turns"``): the same groups in strict turns, each reading the
+  update the other group just made, so no update is stale. A group's forward then waits for the
+  other's update instead of overlapping its backward: what a device that computes one wave at a
+  time (a CPU, worker/compute.py) does anyway.
 
 A group's sum for clock ``c`` is applied once every live wave of that group has pushed ``c``; until
 then a wave of the group may not read (its next forward must see its group's update). Wave groups
 also keep the turns in order (``in_turn``): group g reads clock c once every earlier group has
 pushed c - 1 and every later group c - 2, which is the tick-tock timeline (tick c reads before
-tock's update c - 1 lands, tock c after tick's update c - 1).
+tock's update c - 1 lands, tock c after tick's update c - 1). Wave turns shift both by one
+(``turn_delay`` 0): earlier groups must have pushed c, later ones c - 1.
 """
 
 from __future__ import annotations
@@ -68,10 +73,12 @@ class SyncSum:
 
 class SyncGroups:
     """The open sums of every group; ``by_wave_index``: a group per local wave index (wave
-    groups), else one group of all waves (bulk-synchronous)."""
+    groups), else one group of all waves (bulk-synchronous); ``turn_delay``: how many of the
+    other groups' updates a group's read may be behind (1: wave groups, 0: wave turns)."""
 
-    def __init__(self, by_wave_index: bool):
+    def __init__(self, by_wave_index: bool, turn_delay: int = 1):
         self.by_wave_index = by_wave_index
+        self.turn_delay = turn_delay
         self.sums: dict[Hashable, SyncSum] = {}
 
     def group_of(self, wave: WaveId) -> Hashable:
@@ -106,7 +113,8 @@ class SyncGroups:
         read ``clock`` (see the module's docstring)."""
         group = self.group_of(wave)
         for other in {self.group_of(w) for w in clocks.live} - {group}:
-            need = clock if other < group else clock - 1  # clocks they must have pushed up to
+            # how many clocks they must have pushed
+            need = (clock if other < group else clock - 1) + 1 - self.turn_delay
             if any(clocks.clocks[w] < need for w in clocks.live if self.group_of(w) == other):
                 return False
         return True

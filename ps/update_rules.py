@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from wavelet.common.config import JobConfig, OptimizerConfig
+from wavelet.common.config import GROUPED_UPDATES, JobConfig, OptimizerConfig
 from wavelet.ps.policy import make_policy
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats
@@ -46,6 +46,8 @@ def update_streams(job: JobConfig, expect_waves: int) -> int:
         return 1
     if job.updates == "wave-groups":
         return job.waves
+    if job.updates == "wave-turns":
+        return 1  # one update at a time, each from the weights the last one left
     return max(expect_waves, 1)
 
 
@@ -83,8 +85,11 @@ class Updates:
         self.bound = StalenessBound(job.staleness)
         self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
         # one update per push (async), per clock of all waves (s = 0) or of each wave group
-        self.synchronous = job.staleness == 0 or job.updates == "wave-groups"
-        self.sync = SyncGroups(by_wave_index=job.updates == "wave-groups")
+        self.synchronous = job.staleness == 0 or job.updates in GROUPED_UPDATES
+        self.sync = SyncGroups(
+            by_wave_index=job.updates in GROUPED_UPDATES,
+            turn_delay=0 if job.updates == "wave-turns" else 1,
+        )
 
     def check_push(self, wave: WaveId, clock: int) -> None:
         """Refuse a push out of the synchronous order (before anything changes)."""

@@ -515,7 +515,7 @@ def _add_training_commands(sub) -> None:
 
 def _add_sweep_commands(sub) -> None:
     """compare (one job in several modes) and tune (staleness bounds and policies)."""
-    from wavelet.scripts.compare import BUDGET_MODES
+    from wavelet.scripts.compare import BUDGET_MODES, DEFAULT_MODES
     from wavelet.scripts.compare import MODES as COMPARE_MODES
 
     comp = sub.add_parser("compare", help="run one job in several modes and compare them")
@@ -525,7 +525,9 @@ def _add_sweep_commands(sub) -> None:
         default="",
         help="comma-separated modes, from "
         + ", ".join(COMPARE_MODES)
-        + " (default: all but allreduce-ckpt; with --memory-budget: "
+        + " (default: all but "
+        + ", ".join(m for m in COMPARE_MODES if m not in DEFAULT_MODES)
+        + "; with --memory-budget: "
         + ", ".join(BUDGET_MODES)
         + ")",
     )
@@ -563,8 +565,8 @@ def _add_sweep_commands(sub) -> None:
         dest="sweep_updates",
         metavar="RULES",
         default="async",
-        help="update rules to try, from async (every bound and policy above) and wave-groups "
-        "(once) (default async)",
+        help="update rules to try, from async (every bound and policy above), wave-groups and "
+        "wave-turns (once each) (default async)",
     )
     _add_sweep_flags(tune, "tune")
     tune.set_defaults(run=_cmd_tune)

@@ -16,7 +16,7 @@ import json
 import traceback
 from pathlib import Path
 
-from wavelet.common.config import JobConfig, LaunchConfig
+from wavelet.common.config import GROUPED_UPDATES, JobConfig, LaunchConfig
 from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
 from wavelet.common.machine import usable_cores
@@ -27,8 +27,9 @@ from wavelet.scripts.budget import (
     largest_batch,
     scaled_lr,
 )
-from wavelet.scripts.launch import launch
+from wavelet.scripts.launch import launch, threads_per_process
 from wavelet.scripts.plots import accuracy_vs_time, memory_timelines
+from wavelet.worker.threads import ThreadChoice, computes_one_at_a_time, probe_threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +41,14 @@ class Mode:
     job: dict
     # How many tasks' activations a device holds at once at most, for the equal-memory search:
     # the baton lets tick-tock's second wave start only once the first holds baton_handoff of
-    # its peak (None: 1 + the job's baton_handoff).
+    # its peak (None: 1 + the job's baton_handoff, or 1 where the waves compute one at a time).
     tasks_at_once: float | None
     allreduce: bool = False
 
-    def at_once(self, job: JobConfig) -> float:
-        return 1.0 + job.baton_handoff if self.tasks_at_once is None else self.tasks_at_once
+    def at_once(self, job: JobConfig, one_at_a_time: bool) -> float:
+        if self.tasks_at_once is not None:
+            return self.tasks_at_once
+        return 1.0 if one_at_a_time else 1.0 + job.baton_handoff
 
 
 MODES: dict[str, Mode] = {
@@ -67,6 +70,13 @@ MODES: dict[str, Mode] = {
         {"schedule": "ticktock"},
         {"waves": 2, "updates": "wave-groups"},
         None,
+    ),
+    "ticktock-turns": Mode(
+        "PS, 2 waves tick-tock, wave groups in strict turns: each group reads the other's "
+        "latest update, so none is stale (updates = wave-turns)",
+        {"schedule": "ticktock"},
+        {"waves": 2, "updates": "wave-turns"},
+        1.0,  # a group reads, so starts its forward, after the other's backward and update
     ),
     "ticktock-tcp": Mode(
         "PS, 2 waves tick-tock, tensors over TCP (ZeroMQ frames) even to co-located shards",
@@ -146,6 +156,7 @@ DEFAULT_MODES = [
 BUDGET_MODES = [
     "ticktock",
     "bsp",
+    "ticktock-turns",
     "single",
     "together",
     "allreduce",
@@ -183,29 +194,45 @@ def plan_budget(job: JobConfig, budget: Budget, device: str, lr_rule: str) -> Bu
 
 
 def mode_job(
-    mode: Mode, job: JobConfig, devices: list[str], plan: BudgetPlan | None
-) -> tuple[JobConfig, int, int]:
+    mode: Mode, job: JobConfig, devices: list[str], plan: BudgetPlan | None, threads: int = 0
+) -> tuple[JobConfig, int, int, int]:
     """The job a mode runs: its own settings over the job's, and at a memory budget the largest
-    batch per task that fits, with the learning rate scaled to it. Returns (job, batch, peak)."""
+    batch per task that fits, with the learning rate scaled to it. ``threads``: the torch threads
+    the run is given (0: the worker probes). Returns (job, batch, peak, threads), the last the
+    threads the run must keep for the budget's assumption to hold (0: any)."""
     run_job = dataclasses.replace(job, **mode.job)
     if plan is None:
-        return run_job, 0, 0
+        return run_job, 0, 0, 0
     device = devices[0]
     probe = ActivationProbe(job, bool(mode.job.get("activation_checkpointing")), device)
     processes = len(devices) * mode.launch.get("processes_per_device", 1)
     tasks = processes if mode.allreduce else processes * run_job.waves
     limit = probe.dataset.num_train // tasks  # a task needs a full batch of its data part
-    batch, peak = largest_batch(probe, mode.at_once(run_job), plan.budget_bytes, limit)
+    layout = _layout(mode, run_job, devices, probe.dataset, threads)
+    one_at_a_time = layout is not None and computes_one_at_a_time(device, layout)
+    batch, peak = largest_batch(
+        probe, mode.at_once(run_job, one_at_a_time), plan.budget_bytes, limit
+    )
     # all-reduce: launch gives each rank batch_size x waves / processes_per_device
     per_device = mode.launch.get("processes_per_device", 1)
     waves = per_device if mode.allreduce else run_job.waves
     lr = scaled_lr(job, batch * _gradients_per_lr(mode, run_job, processes), plan.lr_rule)
     optimizer = dataclasses.replace(run_job.optimizer, lr=lr)
-    return (
-        dataclasses.replace(run_job, batch_size=batch, waves=waves, optimizer=optimizer),
-        batch,
-        peak,
-    )
+    run_job = dataclasses.replace(run_job, batch_size=batch, waves=waves, optimizer=optimizer)
+    return run_job, batch, peak, layout.threads if one_at_a_time else 0
+
+
+def _layout(
+    mode: Mode, job: JobConfig, devices: list[str], dataset, threads: int
+) -> ThreadChoice | None:
+    """The thread layout a worker of a baton mode will run, as the daemon decides it (the same
+    probe of the job's model on the same share of the cores); None for other modes."""
+    if mode.allreduce or mode.tasks_at_once is not None:
+        return None
+    if threads:
+        return ThreadChoice(threads, "fixed")
+    cores = threads_per_process(devices, mode.launch.get("processes_per_device", 1))
+    return probe_threads(job, devices[0], cores, dataset)
 
 
 def _gradients_per_lr(mode: Mode, job: JobConfig, processes: int) -> int:
@@ -218,7 +245,7 @@ def _gradients_per_lr(mode: Mode, job: JobConfig, processes: int) -> int:
     tasks = processes * job.waves
     if job.update_lr == "by-samples" or job.staleness == 0:
         return tasks
-    if job.updates == "wave-groups":
+    if job.updates in GROUPED_UPDATES:
         return processes
     return 1
 
@@ -245,7 +272,12 @@ def compare(
         print(f"== {name}: {mode.description}", flush=True)
         batch = peak = 0
         try:
-            run_job, batch, peak = mode_job(mode, job, devices, budget)
+            launch_settings = {**(settings or {}), **mode.launch}
+            run_job, batch, peak, threads = mode_job(
+                mode, job, devices, budget, launch_settings.get("threads", 0)
+            )
+            if threads:  # the budget counted on this layout: a probe of the run's must agree
+                launch_settings["threads"] = threads
             if budget:
                 print(
                     f"   batch {batch} per task, lr {run_job.optimizer.lr:g}: measured device "
@@ -256,7 +288,7 @@ def compare(
                 job=run_job,
                 devices=devices,
                 run_dir=str(run_dir),
-                **{**(settings or {}), **mode.launch},
+                **launch_settings,
             )
             code = launch(config, quiet=True)
             if code != 0:

@@ -181,7 +181,7 @@ def metrics_urls(
     return [f"{p.stem} {p.read_text().strip()}" for p in sorted(folder.glob("*.url"))]
 
 
-def _threads_per_process(devices: list[str], per_device: int = 1) -> int:
+def threads_per_process(devices: list[str], per_device: int = 1) -> int:
     cpu_processes = sum(per_device for d in devices if d.startswith("cpu"))
     return max(1, usable_cores() // max(1, cpu_processes))
 
@@ -233,7 +233,7 @@ def _start_ps_workers(job: Job, job_file: Path, address_files: list[str]) -> lis
     processes = _worker_processes(job)
     # Each worker process gets its share of the cores and chooses its thread layout within it
     # by a short probe (worker/threads.py), unless --threads fixes it.
-    budget = _threads_per_process(cfg.devices, cfg.processes_per_device)
+    budget = threads_per_process(cfg.devices, cfg.processes_per_device)
     workers = []
     for rank, device, index in processes:
         worker = WorkerConfig(
@@ -263,7 +263,7 @@ def _start_ranks(job: Job, job_file: Path, job_cfg: JobConfig) -> list[Child]:
     """DDP ranks with torchrun's environment variables (env:// rendezvous)."""
     cfg = job.config
     processes = _worker_processes(job)
-    threads = cfg.threads or _threads_per_process(cfg.devices, cfg.processes_per_device)
+    threads = cfg.threads or threads_per_process(cfg.devices, cfg.processes_per_device)
     env = {
         "MASTER_ADDR": cfg.host,
         "MASTER_PORT": str(_free_port(cfg.host)),

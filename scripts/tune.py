@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 
 from wavelet.common.config import (
+    GROUPED_UPDATES,
     INF,
     STALE_POLICIES,
     UPDATES,
@@ -35,8 +36,8 @@ class Setting:
 
     @property
     def name(self) -> str:
-        if self.updates == "wave-groups":
-            return "wave-groups"  # its own turn order, no bound, no policy
+        if self.updates in GROUPED_UPDATES:
+            return self.updates  # its own turn order, no bound, no policy
         return f"s={_bound(self.bound)} {self.policy}"
 
 
@@ -79,7 +80,7 @@ def parse_policies(text: str) -> list[str]:
 
 
 def parse_updates(text: str) -> list[str]:
-    """``async,wave-groups`` -> ["async", "wave-groups"]; unknown or none is a ConfigError."""
+    """``async,wave-turns`` -> ["async", "wave-turns"]; unknown or none is a ConfigError."""
     rules = [u.strip() for u in text.split(",") if u.strip()]
     if not rules or any(u not in UPDATES for u in rules):
         raise ConfigError(f"--update-rules {text!r}: choose from {', '.join(UPDATES)}")
@@ -90,15 +91,16 @@ def settings_for(
     bounds: list[float], policies: list[str], updates: tuple[str, ...] = ("async",)
 ) -> list[Setting]:
     """Every (bound, policy) pair for asynchronous updates (under s = 0 every policy is the same,
-    so it runs once), and wave groups once (their turn order is their bound, and they apply a
+    so it runs once), and each grouped rule once (their turn order is their bound, and they apply a
     group's mean without a policy)."""
     out = []
     if "async" in updates:
         for b in bounds:
             for p in [policies[0]] if b == 0 else policies:
                 out.append(Setting(b, p))
-    if "wave-groups" in updates:
-        out.append(Setting(1, "apply", "wave-groups"))
+    for rule in GROUPED_UPDATES:
+        if rule in updates:
+            out.append(Setting(1, "apply", rule))
     return out
 
 

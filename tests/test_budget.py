@@ -55,6 +55,21 @@ def test_checkpointing_fits_a_larger_batch_in_the_same_budget():
     assert largest_batch(ckpt, 1.0, budget, limit=512)[0] > 2 * 16
 
 
+def test_waves_that_compute_one_at_a_time_fit_one_waves_batch():
+    """A CPU worker whose waves get several cores computes them one at a time: a wave's backward
+    ends before the next forward starts, so the budget holds one wave, not 1 + baton_handoff."""
+    from wavelet.scripts.compare import MODES, mode_job, plan_budget
+
+    job = JobConfig()
+    plan = plan_budget(job, parse_budget("1.3x"), "cpu", "linear")
+    _, alone, _, _ = mode_job(MODES["allreduce"], job, ["cpu"], plan)
+    _, shared, peak, threads = mode_job(MODES["ticktock"], job, ["cpu"], plan, threads=2)
+    assert (shared, threads) == (alone, 2)  # the run is launched with the layout assumed
+    assert peak <= plan.budget_bytes
+    _, side_by_side, _, threads = mode_job(MODES["ticktock"], job, ["cpu"], plan, threads=1)
+    assert side_by_side < alone and threads == 0
+
+
 def test_learning_rate_follows_the_samples_per_update():
     job = JobConfig()  # batch 32, lr 0.05
     assert scaled_lr(job, 64, "linear") == pytest.approx(0.1)

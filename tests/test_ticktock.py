@@ -157,6 +157,18 @@ def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path, thread
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_wave_turns_read_the_update_the_other_wave_just_made(shard_daemons, tmp_path, threads):
+    records = _run_worker(shard_daemons, tmp_path, 2, "--updates", "wave-turns", threads=threads)
+    steps = {w: [r for r in recs if r["kind"] == "step"] for w, recs in records.items()}
+    assert len(steps[0]) == len(steps[1]) > 10
+    # one worker: each group is one wave, and every update is one wave's push, so tick's step k
+    # reads version 2k on every shard and tock's 2k + 1: the other's update of the same turn
+    for w, recs in steps.items():
+        for k, r in enumerate(recs):
+            assert r["versions_read"] == [2 * k + w] * 2, (w, k, r["versions_read"])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_single_wave_baseline_runs_and_pushes_during_backward(shard_daemons, tmp_path, threads):
     # with 2 threads the gradient hooks, and so the pushes, run on the computing thread
     records = _run_worker(shard_daemons, tmp_path, 1, "--placement", "layers", threads=threads)

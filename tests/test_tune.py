@@ -77,5 +77,7 @@ def test_wave_groups_run_once_beside_the_async_sweep():
     got = [s.name for s in settings_for([1, float("inf")], ["apply"], ("async", "wave-groups"))]
     assert got == ["s=1 apply", "s=inf apply", "wave-groups"]
     assert [s.name for s in settings_for([0], ["apply"], ("wave-groups",))] == ["wave-groups"]
+    turns = settings_for([1], ["apply"], ("wave-turns", "wave-groups"))
+    assert [s.name for s in turns] == ["wave-groups", "wave-turns"]
     with pytest.raises(ConfigError, match="update-rules"):
         parse_updates("async,sometimes")

@@ -93,6 +93,34 @@ def test_wave_groups_alternate_and_every_update_is_one_step_stale(tmp_path):
         service.close()
 
 
+def test_wave_turns_read_the_other_groups_latest_update(tmp_path):
+    service = _service(tmp_path, updates="wave-turns")
+    try:
+        waves = _grid(service)
+        read = {key: 0 for key in waves}
+        for clock in range(6):
+            for group in (0, 1):
+                released = []
+                for worker in ("a", "b"):
+                    wave = waves[worker, group]
+                    released += _push(wave, clock, read[worker, group], _grads(wave, clock))
+                # the group's update is in, but its waves read only once the other group's
+                # update of the same turn is (tock's first: at once, it registered at 0)
+                owners = {next(k for k, w in waves.items() if w.peer == m.peer) for m in released}
+                assert all(k[1] != group for k in owners) or (group, clock) == (1, 0), owners
+                for m in released:
+                    owner = next(k for k, w in waves.items() if w.peer == m.peer)
+                    read[owner] = reply_of(m).body["version"]
+        assert service.shard.version == 12
+        for key, st in service.stats.items():
+            # tock's first push read the version it registered at, before tick's first update;
+            # every other update was made from the weights the update before it left
+            expected = {0: 6} if key[1] == 0 else {1: 1, 0: 5}
+            assert dict(st.staleness) == expected, (key, st.staleness)
+    finally:
+        service.close()
+
+
 def test_a_group_waits_its_turn(tmp_path):
     service = _service(tmp_path, updates="wave-groups")
     try:
@@ -166,6 +194,7 @@ def test_momentum_correction_lowers_the_shards_momentum(tmp_path):
     cases = [
         (dict(staleness=float("inf")), 0.6),  # 4 asynchronous waves
         (dict(updates="wave-groups"), 0.8),  # 2 groups
+        (dict(updates="wave-turns"), 0.9),  # groups in strict turns: one stream
         (dict(staleness=0), 0.9),  # one bulk-synchronous stream
     ]
     for n, (job, want) in enumerate(cases):

@@ -23,16 +23,14 @@ from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import build_dataset
 from wavelet.common.job import loader_settings
 from wavelet.common.machine import usable_cores
-from wavelet.common.models import build_model
 from wavelet.common.protocol import ShardTimeout
-from wavelet.common.step import load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.compute import InlineCompute, SharedCompute
 from wavelet.worker.connection import client_keys, wait_for_addresses
 from wavelet.worker.heartbeat import Heartbeat
 from wavelet.worker.memory import cap_cuda_memory
 from wavelet.worker.metrics import serve_worker_metrics
-from wavelet.worker.threads import ThreadChoice, choose_threads
+from wavelet.worker.threads import ThreadChoice, computes_one_at_a_time, probe_threads
 from wavelet.worker.wave import Wave, WaveIdentity
 
 log = logging.getLogger(__name__)
@@ -72,8 +70,7 @@ class WorkerDaemon:
         choice = self._threads(dataset)
         torch.set_num_threads(choice.threads)
         device = torch.device(cfg.device)
-        # several cores per wave on a CPU: one thread computes for all (worker/compute.py)
-        shared = device.type == "cpu" and choice.threads > 1
+        shared = computes_one_at_a_time(cfg.device, choice)
         compute = SharedCompute(choice.threads) if shared else InlineCompute()
         cap_cuda_memory(device, cfg.cuda_memory_gib)
         if cfg.schedule == "ticktock":
@@ -138,18 +135,10 @@ class WorkerDaemon:
         return report_failures(waves)
 
     def _threads(self, dataset) -> ThreadChoice:
-        cfg, job = self.config, self.config.job
+        cfg = self.config
         if cfg.threads:
             return ThreadChoice(cfg.threads, "fixed")
-        budget = cfg.core_budget or usable_cores()
-        if torch.device(cfg.device).type != "cpu":
-            return ThreadChoice(max(1, budget // job.waves), "narrow")  # a GPU computes
-        model = build_model(
-            job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
-        )
-        part = dataset.part(0, 1, job.seed)
-        x, y = dataset.sample_batch(min(job.batch_size, len(part)))
-        return choose_threads(model, (x, y), budget, job.waves, load_step(job.step, job.precision))
+        return probe_threads(cfg.job, cfg.device, cfg.core_budget or usable_cores(), dataset)
 
 
 def record_threads(cfg: WorkerConfig, choice: ThreadChoice, shared_compute: bool) -> None:

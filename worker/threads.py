@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from wavelet.common.step import TrainingStep
+from wavelet.common.models import build_model
+from wavelet.common.step import TrainingStep, load_step
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,27 @@ class ThreadChoice:
             f"{self.threads} torch thread(s), {self.layout} layout (probe: one step took "
             f"{1000 * self.narrow_s:.1f} ms narrow, {1000 * self.wide_s:.1f} ms wide)"
         )
+
+
+def probe_threads(job, device: str, budget: int, dataset) -> ThreadChoice:
+    """The layout a worker of ``job`` on ``device`` with ``budget`` cores runs: on a CPU, from a
+    probe of the job's model on one batch of ``dataset``; a GPU computes, so its waves split
+    the cores."""
+    if torch.device(device).type != "cpu":
+        return ThreadChoice(max(1, budget // job.waves), "narrow")
+    model = build_model(
+        job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
+    )
+    part = dataset.part(0, 1, job.seed)
+    x, y = dataset.sample_batch(min(job.batch_size, len(part)))
+    return choose_threads(model, (x, y), budget, job.waves, load_step(job.step, job.precision))
+
+
+def computes_one_at_a_time(device: str, choice: ThreadChoice) -> bool:
+    """Whether the waves' forwards and backwards run one at a time on the worker's own thread
+    (worker/compute.py): on a CPU where they get several cores. Their saved activations then
+    never overlap: one wave's backward ends before the next forward starts."""
+    return torch.device(device).type == "cpu" and choice.threads > 1
 
 
 def choose_threads(
