@@ -5,9 +5,9 @@ A device's peak is measured, not assumed linear: probe forwards of the job's mod
 batches, with the saved-activation meter (on a GPU: the allocator's peak), times how many tasks'
 activations a mode can hold at once on a device (tick-tock: 1 + baton_handoff, by the baton's
 rule, or 1 where the worker computes its waves one at a time, worker/threads.py; two waves or
-ranks started together: 2; one task: 1). The search doubles the batch until
-the budget is passed, then bisects. The comparison then runs each mode at its batch, and its
-report gives the peak each run really reached beside the budget.
+ranks started together: 2; one task: 1). The search doubles the batch until the budget is
+passed, then bisects. The comparison then runs each mode at its batch, and its report gives the
+peak each run really reached beside the budget.
 
 Learning rate, by default, follows the batch linearly (Goyal et al., 2017): a mode whose updates
 average k times the job's ``batch_size`` samples runs at k times its learning rate. An update

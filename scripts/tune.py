@@ -91,8 +91,8 @@ def settings_for(
     bounds: list[float], policies: list[str], updates: tuple[str, ...] = ("async",)
 ) -> list[Setting]:
     """Every (bound, policy) pair for asynchronous updates (under s = 0 every policy is the same,
-    so it runs once), and each grouped rule once (their turn order is their bound, and they apply a
-    group's mean without a policy)."""
+    so it runs once), and each grouped rule once (their turn order is their bound, and they
+    apply a group's mean without a policy)."""
     out = []
     if "async" in updates:
         for b in bounds:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wavelet.common.config import JobConfig
 from wavelet.common.models import build_model
 from wavelet.common.step import TrainingStep, load_step
 
@@ -49,7 +50,7 @@ class ThreadChoice:
         )
 
 
-def probe_threads(job, device: str, budget: int, dataset) -> ThreadChoice:
+def probe_threads(job: JobConfig, device: str, budget: int, dataset) -> ThreadChoice:
     """The layout a worker of ``job`` on ``device`` with ``budget`` cores runs: on a CPU, from a
     probe of the job's model on one batch of ``dataset``; a GPU computes, so its waves split
     the cores."""
