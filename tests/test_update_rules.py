@@ -68,21 +68,33 @@ def test_a_wave_group_averages_its_gradients_into_one_update(tmp_path):
         service.close()
 
 
+def _alternate(service, waves, clocks: int = 6) -> list[tuple[int, set]]:
+    """Tick's waves push clock c, then tock's, for every c < ``clocks``, each from the version its
+    last released pull read: (group, the waves whose pulls that group's pushes released) per
+    group step."""
+    read = {key: 0 for key in waves}
+    steps = []
+    for clock in range(clocks):
+        for group in (0, 1):  # tick, then tock: half a cycle apart
+            released = set()
+            for worker in ("a", "b"):
+                wave = waves[worker, group]
+                for m in _push(wave, clock, read[worker, group], _grads(wave, clock)):
+                    h = reply_of(m)
+                    assert h.op == "reply", h.body
+                    owner = next(k for k, w in waves.items() if w.peer == m.peer)
+                    read[owner] = h.body["version"]
+                    released.add(owner)
+            steps.append((group, released))
+    return steps
+
+
 def test_wave_groups_alternate_and_every_update_is_one_step_stale(tmp_path):
     service = _service(tmp_path, updates="wave-groups")
     try:
-        waves = _grid(service)
-        read = {key: 0 for key in waves}
-        for clock in range(6):
-            for group in (0, 1):  # tick, then tock: half a cycle apart
-                for worker in ("a", "b"):
-                    wave = waves[worker, group]
-                    for m in _push(wave, clock, read[worker, group], _grads(wave, clock)):
-                        h = reply_of(m)
-                        assert h.op == "reply", h.body
-                        # released pulls go to the group's waves: record the version each read
-                        owner = next(k for k, w in waves.items() if w.peer == m.peer)
-                        read[owner] = h.body["version"]
+        steps = _alternate(service, _grid(service))
+        # a group's update releases its own waves' pulls: they need the other group one behind
+        assert all(any(k[1] == group for k in released) for group, released in steps)
         assert service.shard.version == 12  # one update per group and clock
         for key, st in service.stats.items():
             # the first tick update is fresh; every other one had exactly one update of the
@@ -96,21 +108,9 @@ def test_wave_groups_alternate_and_every_update_is_one_step_stale(tmp_path):
 def test_wave_turns_read_the_other_groups_latest_update(tmp_path):
     service = _service(tmp_path, updates="wave-turns")
     try:
-        waves = _grid(service)
-        read = {key: 0 for key in waves}
-        for clock in range(6):
-            for group in (0, 1):
-                released = []
-                for worker in ("a", "b"):
-                    wave = waves[worker, group]
-                    released += _push(wave, clock, read[worker, group], _grads(wave, clock))
-                # the group's update is in, but its waves read only once the other group's
-                # update of the same turn is (tock's first: at once, it registered at 0)
-                owners = {next(k for k, w in waves.items() if w.peer == m.peer) for m in released}
-                assert all(k[1] != group for k in owners) or (group, clock) == (1, 0), owners
-                for m in released:
-                    owner = next(k for k, w in waves.items() if w.peer == m.peer)
-                    read[owner] = reply_of(m).body["version"]
+        steps = _alternate(service, _grid(service))
+        # a group's waves read only once the other group's update of the same turn is in
+        assert all(k[1] != group for group, released in steps for k in released)
         assert service.shard.version == 12
         for key, st in service.stats.items():
             # tock's first push read the version it registered at, before tick's first update;
