@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 MAX_UNREAD_REPLIES = 4  # weight replies per client that ZeroMQ may still be sending
 TICK_S = 0.1  # how often timers run, however busy the socket is
+STALL_S = 0.5  # timers this late mean the loop did not run: waves' silence does not count it
 GC_GRACE_S = 0.02  # longest wait for pyzmq to report a delivered reply before refusing
 GC_GRACE_PER_TURN_S = 0.02  # all such waits in one loop turn together, however many non-readers
 
@@ -119,14 +120,29 @@ class ShardServer:
                         self._connections_closed()
                         peer = self._peer(frames)
                         self._send_all(self.service.handle(peer, frames[1:]))
-                if time.monotonic() >= next_tick:
-                    self._send_all(self.service.tick())
+                now = time.monotonic()
+                if now >= next_tick:
+                    self._send_all(self.service.tick(stalled_s=self._stalled(now - next_tick)))
                     next_tick = time.monotonic() + TICK_S
         finally:
             self.close()
 
     def stop(self) -> None:
         self.service.stopping = True
+
+    def _stalled(self, late_s: float) -> float:
+        """Seconds the timers ran late by that this loop did not run (the process stopped or
+        starved of CPU, or one long request): what queued heartbeats could not be read in."""
+        if late_s <= STALL_S:
+            return 0.0
+        if late_s > 1.0:
+            log.warning(
+                "shard %d did not run for %.1f s (stopped, or starved of CPU): that time does "
+                "not count towards any wave's silence",
+                self.config.shard_index,
+                late_s,
+            )
+        return late_s
 
     def close(self) -> None:
         try:

@@ -141,11 +141,14 @@ class ShardService:
             out.append(reply)
         return out + self._housekeeping()
 
-    def tick(self, now: float | None = None) -> list[Outgoing]:
+    def tick(self, now: float | None = None, stalled_s: float = 0.0) -> list[Outgoing]:
         """Timers: drop waves silent past ``wave_timeout_s``, checkpoint when due; never
-        raises."""
+        raises. ``stalled_s``: how long the shard's loop itself did not run (heartbeats may be
+        queued unread), which no wave's silence counts."""
         out: list[Outgoing] = []
         try:
+            if stalled_s > 0:
+                self.clocks.credit(stalled_s)
             timeout = self.config.job.wave_timeout_s
             for wave in self.clocks.silent(timeout, now):
                 log.warning(

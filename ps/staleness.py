@@ -37,6 +37,14 @@ class ClockTable:
         now = time.monotonic() if now is None else now
         return [w for w in self.live if now - self.last_seen.get(w, now) > timeout_s]
 
+    def credit(self, seconds: float) -> None:
+        """The shard itself did not run for ``seconds`` (stopped, starved of CPU, one long
+        request): no live wave's silence counts that time, since nothing was read."""
+        now = time.monotonic()
+        for w in self.live:
+            if w in self.last_seen:
+                self.last_seen[w] = min(now, self.last_seen[w] + seconds)
+
     def leave(self, wave: WaveId) -> None:
         self.live.discard(wave)
 

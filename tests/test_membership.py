@@ -1,13 +1,17 @@
 """Membership: a worker killed with SIGKILL is dropped after the wave timeout so the others go on
-(under s = 0 and a finite s); started again, it rejoins at the current version."""
+(under s = 0 and a finite s); started again, it rejoins at the current version. A shard that did
+not run does not drop the waves whose heartbeats it could not read."""
 
 import signal
 import time
 
 import pytest
+import zmq
 from conftest import started, wait_for, wavelet_cmd
+from helpers import TIMEOUT_S, client_for, tiny_model
 
 from wavelet.common.records import read_records
+from wavelet.worker.heartbeat import Heartbeat
 
 # The wave timeout is short so that a killed worker is dropped soon, but not so short that a
 # worker starved of CPU while it registers is dropped before it starts: one core shared by two
@@ -88,3 +92,38 @@ def test_killed_worker_is_dropped_and_rejoins(shard_daemons, tmp_path, s):
     assert rejoined[0]["clock"] > alone // 2, "b should rejoin at the current clock"
     logs = "".join((daemons.tmp / f"ps-{i}.log").read_text() for i in range(2))
     assert "silent for over" in logs
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_shard_does_not_count_its_own_stall_as_silence(shard_daemons):
+    """A shard that did not run (here SIGSTOPped past the wave timeout) cannot have read the
+    heartbeats queued meanwhile: on waking, its timers must not drop the waves that sent them.
+    A wave that really goes silent is still dropped afterwards."""
+    daemons = shard_daemons(["--staleness", "inf", "--set", "wave_timeout_s=3"], count=1)
+    shard = daemons.procs[0]
+    c = client_for(tiny_model(), daemons.addresses)
+    beat = Heartbeat(daemons.addresses, "w0", lambda: [0], 0.2, zmq.Context.instance())
+    try:
+        c.register(0)
+        beat.start()
+        shard.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(6)  # twice the wave timeout, heartbeats queued all along
+        finally:
+            shard.send_signal(signal.SIGCONT)
+        # the shard's first turn after waking runs its timers before it answers this
+        assert c.stats()[0]["waves"]["w0/0"]["live"], "a wave that heartbeat was dropped"
+        time.sleep(1)  # several more timer turns
+        assert c.stats()[0]["waves"]["w0/0"]["live"]
+        beat.stop()
+        beat.join(TIMEOUT_S)
+        wait_for(
+            lambda: not c.stats()[0]["waves"]["w0/0"]["live"],
+            60,
+            "a wave silent past the timeout was not dropped",
+        )
+    finally:
+        beat.stop()
+        shard.send_signal(signal.SIGCONT)
+        c.close()
+    assert "did not run for" in (daemons.tmp / "ps-0.log").read_text()
