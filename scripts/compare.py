@@ -194,12 +194,18 @@ def plan_budget(job: JobConfig, budget: Budget, device: str, lr_rule: str) -> Bu
 
 
 def mode_job(
-    mode: Mode, job: JobConfig, devices: list[str], plan: BudgetPlan | None, threads: int = 0
+    mode: Mode,
+    job: JobConfig,
+    devices: list[str],
+    plan: BudgetPlan | None,
+    threads: int = 0,
+    layouts: dict | None = None,
 ) -> tuple[JobConfig, int, int, int]:
     """The job a mode runs: its own settings over the job's, and at a memory budget the largest
     batch per task that fits, with the learning rate scaled to it. ``threads``: the torch threads
     the run is given (0: the worker probes). Returns (job, batch, peak, threads), the last the
-    threads the run must keep for the budget's assumption to hold (0: any)."""
+    threads the budget assumed, which the run must keep (0: any). ``layouts`` keeps the thread
+    probes of one comparison, so modes with the same model, batch and cores probe once."""
     run_job = dataclasses.replace(job, **mode.job)
     if plan is None:
         return run_job, 0, 0, 0
@@ -208,7 +214,7 @@ def mode_job(
     processes = len(devices) * mode.launch.get("processes_per_device", 1)
     tasks = processes if mode.allreduce else processes * run_job.waves
     limit = probe.dataset.num_train // tasks  # a task needs a full batch of its data part
-    layout = _layout(mode, run_job, devices, probe.dataset, threads)
+    layout = _layout(mode, run_job, devices, probe.dataset, threads, layouts)
     one_at_a_time = layout is not None and computes_one_at_a_time(device, layout)
     batch, peak = largest_batch(
         probe, mode.at_once(run_job, one_at_a_time), plan.budget_bytes, limit
@@ -219,11 +225,11 @@ def mode_job(
     lr = scaled_lr(job, batch * _gradients_per_lr(mode, run_job, processes), plan.lr_rule)
     optimizer = dataclasses.replace(run_job.optimizer, lr=lr)
     run_job = dataclasses.replace(run_job, batch_size=batch, waves=waves, optimizer=optimizer)
-    return run_job, batch, peak, layout.threads if one_at_a_time else 0
+    return run_job, batch, peak, layout.threads if layout is not None else 0
 
 
 def _layout(
-    mode: Mode, job: JobConfig, devices: list[str], dataset, threads: int
+    mode: Mode, job: JobConfig, devices: list[str], dataset, threads: int, layouts: dict | None
 ) -> ThreadChoice | None:
     """The thread layout a worker of a baton mode will run, as the daemon decides it (the same
     probe of the job's model on the same share of the cores); None for other modes."""
@@ -232,7 +238,18 @@ def _layout(
     if threads:
         return ThreadChoice(threads, "fixed")
     cores = threads_per_process(devices, mode.launch.get("processes_per_device", 1))
-    return probe_threads(job, devices[0], cores, dataset)
+    probed = {} if layouts is None else layouts
+    key = (_probed_settings(job), devices[0], cores)
+    if key not in probed:
+        probed[key] = probe_threads(job, devices[0], cores, dataset)
+    return probed[key]
+
+
+def _probed_settings(job: JobConfig) -> str:
+    """What of ``job`` the thread probe reads: two modes that agree here get the same layout."""
+    fields = ("model", "model_kwargs", "dataset", "dataset_kwargs", "seed", "batch_size")
+    fields += ("waves", "step", "precision")
+    return json.dumps({f: getattr(job, f) for f in fields}, sort_keys=True, default=str)
 
 
 def _gradients_per_lr(mode: Mode, job: JobConfig, processes: int) -> int:
@@ -266,6 +283,7 @@ def compare(
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
     out.mkdir(parents=True, exist_ok=True)
     results = []
+    layouts: dict = {}  # thread probes, one per model, batch and cores
     for name in modes:
         mode = MODES[name]
         run_dir = out / name
@@ -274,9 +292,9 @@ def compare(
         try:
             launch_settings = {**(settings or {}), **mode.launch}
             run_job, batch, peak, threads = mode_job(
-                mode, job, devices, budget, launch_settings.get("threads", 0)
+                mode, job, devices, budget, launch_settings.get("threads", 0), layouts
             )
-            if threads:  # the budget counted on this layout: a probe of the run's must agree
+            if threads:  # the budget counted on this layout (and probed it once already)
                 launch_settings["threads"] = threads
             if budget:
                 print(

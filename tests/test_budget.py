@@ -1,6 +1,7 @@
 """Equal-memory comparison: the budget search, activation checkpointing that keeps the math, and a
 tiny compare at a budget with a complete report."""
 
+import dataclasses
 import socket
 
 import pytest
@@ -67,7 +68,24 @@ def test_waves_that_compute_one_at_a_time_fit_one_waves_batch():
     assert (shared, threads) == (alone, 2)  # the run is launched with the layout assumed
     assert peak <= plan.budget_bytes
     _, side_by_side, _, threads = mode_job(MODES["ticktock"], job, ["cpu"], plan, threads=1)
-    assert side_by_side < alone and threads == 0
+    assert side_by_side < alone and threads == 1
+
+
+def test_one_comparison_probes_each_layout_once():
+    """Baton modes of one model, batch and cores share one thread probe, and each run gets the
+    probe's layout as its threads, so its worker does not probe again."""
+    from wavelet.scripts.compare import MODES, mode_job, plan_budget
+
+    job = JobConfig()
+    plan = plan_budget(job, parse_budget("1.3x"), "cpu", "linear")
+    layouts: dict = {}
+    _, _, _, ticktock = mode_job(MODES["ticktock"], job, ["cpu"], plan, layouts=layouts)
+    _, _, _, bsp = mode_job(MODES["bsp"], job, ["cpu"], plan, layouts=layouts)
+    assert len(layouts) == 1 and ticktock == bsp == next(iter(layouts.values())).threads >= 1
+    _, _, _, wider = mode_job(
+        MODES["ticktock"], dataclasses.replace(job, batch_size=64), ["cpu"], plan, layouts=layouts
+    )
+    assert len(layouts) == 2 and wider >= 1
 
 
 def test_learning_rate_follows_the_samples_per_update():
