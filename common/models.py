@@ -145,9 +145,12 @@ def factory_arguments(
         )
     kwargs = dict(kwargs)
     if "input_shape" in named or "num_classes" in named:
-        for key, value in (("input_shape", input_shape), ("num_classes", num_classes)):
-            if key in named:
-                kwargs.setdefault(key, value)
+        if "input_shape" in named:
+            kwargs.setdefault("input_shape", input_shape)
+        if "num_classes" in named and "num_classes" not in kwargs:
+            # a dataset that does not say leaves a default of the factory's own in place
+            if num_classes > 0 or params["num_classes"].default is params["num_classes"].empty:
+                kwargs["num_classes"] = _known_classes(name, num_classes)
         return (), kwargs
     positional = [
         p
@@ -155,8 +158,18 @@ def factory_arguments(
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
     ]
     if len(positional) >= 2:  # (shape, classes, ...) under other names
-        return (input_shape, num_classes), kwargs
+        return (input_shape, _known_classes(name, num_classes)), kwargs
     return (), kwargs
+
+
+def _known_classes(name: str, num_classes: int) -> int:
+    if num_classes > 0:
+        return num_classes
+    raise ValueError(
+        f"model factory {name!r} needs the number of classes, and the dataset does not say it "
+        "(its train set has no num_classes or classes attribute): give it with --set "
+        "model_kwargs.num_classes=N, or give the train dataset a num_classes attribute"
+    )
 
 
 def checkpoint_blocks(model: nn.Module) -> int:

@@ -50,6 +50,16 @@ def test_a_key_the_factory_does_not_take_is_refused_with_what_it_takes():
         factory_arguments("n", named, SHAPE, CLASSES, {"widht": 4})
 
 
+def test_classes_a_dataset_does_not_state_are_asked_for_not_passed_as_zero():
+    """A map-style dataset without num_classes or classes says 0: a factory that needs the
+    number is refused with what to set; one with a default of its own keeps it."""
+    with pytest.raises(ValueError, match=r"model_kwargs.num_classes=N"):
+        factory_arguments("p", positional, SHAPE, 0, {})
+    with pytest.raises(ValueError, match=r"model_kwargs.num_classes=N"):
+        factory_arguments("mlp", build_model.__globals__["mlp"], SHAPE, 0, {})
+    assert factory_arguments("n", named, SHAPE, 0, {})[1] == {}
+
+
 def test_build_model_by_import_path_with_user_kwargs():
     model = build_model("test_model_factories:torchvision_like", SHAPE, CLASSES, 0, num_classes=5)
     assert model(torch.zeros(2, 4)).shape == (2, 5)
