@@ -1,6 +1,6 @@
 """The waves' computation on one thread (worker/compute.py): calls run on the serving thread,
 results and errors come back to the caller, nothing waits forever once serving ends, and the
-process keeps one pool of torch threads."""
+process keeps one pool of torch threads; under wave turns a worker computes on all its cores."""
 
 import json
 import subprocess
@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import CHILD_ENV
 
+from wavelet.common.config import JobConfig
+from wavelet.common.datasets import build_dataset
 from wavelet.worker.compute import ComputeStopped, InlineCompute, SharedCompute
+from wavelet.worker.threads import computes_one_at_a_time, probe_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from bench_compute import SETTINGS  # noqa: E402
@@ -147,3 +150,15 @@ def test_the_benchmark_runs_every_setting(tmp_path):
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
     assert [row.split(" | ")[0][2:] for row in rows] == list(SETTINGS)
     assert rows[0].endswith("| 1.00x |")
+
+
+def test_wave_turns_compute_on_every_core_without_a_probe():
+    """Under wave turns one wave computes at a time: the worker goes wide on its cores whatever
+    a probe would say (a busy moment once misled one into one thread per wave, half the cores
+    idle); other rules still probe the job's model."""
+    turns = probe_threads(JobConfig(updates="wave-turns"), "cpu", 2, dataset=None)  # no probe
+    assert (turns.threads, turns.layout) == (2, "wide") and computes_one_at_a_time("cpu", turns)
+    assert "wave turns" in turns.describe()
+    job = JobConfig(batch_size=8)
+    probed = probe_threads(job, "cpu", 2, build_dataset(job.dataset, job.seed))
+    assert probed.narrow_s > 0 and probed.wide_s > 0

@@ -11,7 +11,8 @@ The rule, from a probe of the job's own model and batch: go wide when one step a
 setting. Timing two waves side by side would mislead: it leaves out the baton, which is what
 keeps a big model's waves mostly one at a time (ResNet-18: 0.61 s narrow, 0.63 s wide side by
 side, 0.61 s against 0.30 s alone); and a step alone favours wide for small models (digits: 2.5 ms
-narrow, 1.6 ms wide alone) whose real steps overlap. ``--threads`` overrides the probe.
+narrow, 1.6 ms wide alone) whose real steps overlap. Under wave turns no two waves' steps
+overlap, so such a worker goes wide without a probe. ``--threads`` overrides the probe.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ class ThreadChoice:
     layout: str  # narrow | wide | fixed
     narrow_s: float = 0.0  # one probe step's time at each setting (0: not probed)
     wide_s: float = 0.0
+    reason: str = ""  # why, where no probe decided
 
     def describe(self) -> str:
         if self.layout == "fixed":
             return f"{self.threads} torch thread(s), as asked (--threads)"
+        if self.reason:
+            return f"{self.threads} torch thread(s), {self.layout} layout ({self.reason})"
         if not self.narrow_s:
             return f"{self.threads} torch thread(s), {self.layout} layout"
         return (
@@ -56,6 +60,10 @@ def probe_threads(job: JobConfig, device: str, budget: int, dataset) -> ThreadCh
     the cores."""
     if torch.device(device).type != "cpu":
         return ThreadChoice(max(1, budget // job.waves), "narrow")
+    if job.updates == "wave-turns" and budget > 1:
+        # Strict turns: one wave computes at a time, so a narrow layout would leave cores idle
+        # whatever a probe (which a busy moment can mislead) says.
+        return ThreadChoice(budget, "wide", reason="wave turns: one wave computes at a time")
     model = build_model(
         job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
     )
