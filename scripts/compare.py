@@ -248,7 +248,7 @@ def _layout(
 def _probed_settings(job: JobConfig) -> str:
     """What of ``job`` the thread probe reads: two modes that agree here get the same layout."""
     fields = ("model", "model_kwargs", "dataset", "dataset_kwargs", "seed", "batch_size")
-    fields += ("waves", "step", "precision")
+    fields += ("waves", "step", "precision", "updates")
     return json.dumps({f: getattr(job, f) for f in fields}, sort_keys=True, default=str)
 
 
