@@ -11,10 +11,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-# Under pytest-xdist, each test process keeps its jobs' shared-memory segments in a folder of its
-# own, so that its checks never see (or remove) another's. Set before wavelet.common.shm loads.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["WAVELET_SHM_DIR"] = f"/dev/shm/wavelet-tests-{os.getpid()}"  # made on first use
+# Each test process (an xdist worker, or pytest -n0) keeps its jobs' shared-memory segments in a
+# folder of its own, so that its checks never see (or remove) another's: another test session's,
+# or a real job's running beside the tests. Set before wavelet.common.shm loads.
+os.environ["WAVELET_SHM_DIR"] = f"/dev/shm/wavelet-tests-{os.getpid()}"  # made on first use
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
