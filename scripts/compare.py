@@ -235,13 +235,11 @@ def _layout(
     probe of the job's model on the same share of the cores); None for other modes."""
     if mode.allreduce or mode.tasks_at_once is not None:
         return None
-    if threads:
-        return ThreadChoice(threads, "fixed")
     cores = threads_per_process(devices, mode.launch.get("processes_per_device", 1))
     probed = {} if layouts is None else layouts
-    key = (_probed_settings(job), devices[0], cores)
+    key = (_probed_settings(job), devices[0], cores, threads)
     if key not in probed:
-        probed[key] = probe_threads(job, devices[0], cores, dataset)
+        probed[key] = probe_threads(job, devices[0], cores, dataset, fixed=threads)
     return probed[key]
 
 

@@ -136,9 +136,8 @@ class WorkerDaemon:
 
     def _threads(self, dataset) -> ThreadChoice:
         cfg = self.config
-        if cfg.threads:
-            return ThreadChoice(cfg.threads, "fixed")
-        return probe_threads(cfg.job, cfg.device, cfg.core_budget or usable_cores(), dataset)
+        budget = cfg.core_budget or usable_cores()
+        return probe_threads(cfg.job, cfg.device, budget, dataset, fixed=cfg.threads)
 
 
 def record_threads(cfg: WorkerConfig, choice: ThreadChoice, shared_compute: bool) -> None:

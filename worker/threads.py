@@ -54,10 +54,14 @@ class ThreadChoice:
         )
 
 
-def probe_threads(job: JobConfig, device: str, budget: int, dataset) -> ThreadChoice:
-    """The layout a worker of ``job`` on ``device`` with ``budget`` cores runs: on a CPU, from a
-    probe of the job's model on one batch of ``dataset``; a GPU computes, so its waves split
-    the cores."""
+def probe_threads(
+    job: JobConfig, device: str, budget: int, dataset, fixed: int = 0
+) -> ThreadChoice:
+    """The layout a worker of ``job`` on ``device`` with ``budget`` cores runs: ``fixed``
+    threads where the user gave them (``--threads``); else on a CPU, from a probe of the job's
+    model on one batch of ``dataset``; a GPU computes, so its waves split the cores."""
+    if fixed:
+        return ThreadChoice(fixed, "fixed")
     if torch.device(device).type != "cpu":
         return ThreadChoice(max(1, budget // job.waves), "narrow")
     if job.updates == "wave-turns" and budget > 1:
