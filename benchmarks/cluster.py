@@ -10,8 +10,10 @@ on the nodes' interfaces, staleness, and where each step's time goes (from the r
 
 Modes: ``ticktock`` (one shard and one worker of two waves per node), ``ticktock-layers`` (chunks
 placed by layers, so that pushes overlap backward), ``ticktock-after`` (the same, pushing after
-backward), ``ticktock-groups`` and ``ticktock-groups-mc`` (wave groups, with momentum
-correction), ``bsp`` (bulk-synchronous: every wave of a clock averaged into one update),
+backward), ``ticktock-pull`` (the same as ``ticktock-layers``, each layer's forward starting as
+soon as its weights are in), ``ticktock-groups`` and ``ticktock-groups-mc`` (wave groups, with
+momentum correction), ``ticktock-turns`` and ``ticktock-turns-pull`` (wave turns, and the same
+pulling during forward), ``bsp`` (bulk-synchronous: every wave of a clock averaged into one update),
 ``single`` (one wave), ``allreduce`` (one DDP rank per node at one wave's batch: about
 tick-tock's memory per device), ``allreduce-2x`` (one rank per node at the batch of both waves:
 twice the activations).
@@ -69,6 +71,12 @@ MODES = {
         2,
         ("--shards-per-node", "1", "--placement", "layers", "--push-during-backward", "false"),
     ),
+    "ticktock-pull": Mode(
+        "the same as ticktock-layers, each layer's forward starting as soon as its own weights "
+        "are in (pull during forward, parts of 256 KiB)",
+        2,
+        ("--shards-per-node", "1", "--placement", "layers", "--pull-during-forward", "true"),
+    ),
     "ticktock-groups": Mode(
         "PS, wave groups: the tick waves of all nodes average into one update, the tock waves "
         "into the next (the paper's synchronous design)",
@@ -85,6 +93,21 @@ MODES = {
         "staleness; a group's forward waits for the other's update)",
         2,
         ("--shards-per-node", "1", "--updates", "wave-turns"),
+    ),
+    "ticktock-turns-pull": Mode(
+        "wave turns, chunks placed by layers, each layer's forward starting as soon as its own "
+        "weights are in (pull during forward)",
+        2,
+        (
+            "--shards-per-node",
+            "1",
+            "--updates",
+            "wave-turns",
+            "--placement",
+            "layers",
+            "--pull-during-forward",
+            "true",
+        ),
     ),
     "bsp": Mode(
         "PS, bulk-synchronous: the waves of all nodes average into one update per clock "
@@ -373,7 +396,7 @@ def report(results: list[dict], args) -> str:
             "",
             "| mode | samples/s | vs allreduce | time to target, s | reached | vs allreduce "
             "| final | link MB / sample | link ms / step | staleness | step ms (fwd / bwd / "
-            "push+pull / baton / bwd+allreduce) | shard ms / push |",
+            "push+pull / pull in fwd / baton / bwd+allreduce) | shard ms / push |",
             "|---|---|---:|---|---|---:|---|---:|---:|---:|---|---:|",
         ]
         for mode in args.modes:
@@ -389,7 +412,7 @@ def report(results: list[dict], args) -> str:
             stale = [r["staleness_mean"] for r in runs if r["staleness_mean"] is not None]
             link = [v for v in (link_ms_per_step(r, rate) for r in runs) if v is not None]
             apply = [r["shard_apply_ms"] for r in runs if r.get("shard_apply_ms") is not None]
-            parts = ["forward_s", "backward_s", "push_pull_s", "baton_wait_s"]
+            parts = ["forward_s", "backward_s", "push_pull_s", "pull_wait_s", "baton_wait_s"]
             parts.append("backward_allreduce_s")
             step = " / ".join(
                 f"{statistics.median(r['step_ms'][p] for r in runs):.0f}"

@@ -317,6 +317,15 @@ class JobConfig:
         help="push a shard's gradients as soon as backward has made all of them, not after "
         "backward (not with fp16 loss scaling, which needs every gradient to decide)",
     )
+    pull_during_forward: bool = setting(
+        False,
+        help="start each layer's forward as soon as its own weights are in, while the shards' "
+        "answers still arrive in parts (pull_part_kib, in the model's order); needs every "
+        "parameter to be read by its own module before others read it (worker/pull_hooks.py)",
+    )
+    pull_part_kib: int = setting(
+        256, help="pull_during_forward: KiB of weights per part of a shard's answer over TCP"
+    )
     staleness: float = setting(
         1,
         help="staleness bound: 0 bulk-synchronous, k stale-synchronous, inf asynchronous",
@@ -404,7 +413,7 @@ class JobConfig:
             elif not isinstance(value, str):
                 raise ConfigError(f"{name} must be a name, an import path or a function")
         check_settings(self)
-        for name in ("batch_size", "waves", "shards"):
+        for name in ("batch_size", "waves", "shards", "pull_part_kib"):
             _positive(name, getattr(self, name))
         for name in ("epochs", "eval_every", "memory_trace_iters", "seed", "loader_workers"):
             _non_negative(name, getattr(self, name))

@@ -50,6 +50,7 @@ STEP_PARTS = (
     "forward_s",
     "backward_s",
     "push_pull_s",
+    "pull_wait_s",
     "baton_wait_s",
     "compute_wait_s",
     "backward_allreduce_s",

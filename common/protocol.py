@@ -19,7 +19,7 @@ import msgpack
 import torch
 import zmq
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: weights answered in parts (part_bytes)
 
 # A header is small; anything bigger is a malformed or hostile message.
 MAX_HEADER_BYTES = 1 << 20
@@ -315,6 +315,10 @@ class PullRequest(Body):
     observer: bool = False  # evaluation and tools: read the current weights, never park
     master: bool = False  # observers: the master weights in full precision, not the wire copy
     shm: bool = False  # answer through the wave's pull segment, not tensor frames
+    part_bytes: int = 0  # tensor frames in messages of about this many bytes, in order (0: one)
+
+    def __post_init__(self) -> None:
+        _check_part_bytes(self.part_bytes)
 
 
 @dataclass(frozen=True)
@@ -322,12 +326,19 @@ class PushRequest(Body):
     lr_scale: float = 1.0  # the job's learning-rate schedule at this clock
     shm: bool = False  # the gradients are in the wave's push segment, not in tensor frames
     skip: bool = False  # no gradients this clock (fp16 overflow): the clock passes, nothing else
+    part_bytes: int = 0  # the weights that come back: as PullRequest.part_bytes
 
     def __post_init__(self) -> None:
         if self.skip and self.shm:
             raise ValueError("a skipped step carries no gradients, in frames or a segment")
         if not 0.0 <= self.lr_scale <= 1.0:
             raise ValueError(f"lr_scale must be a number in [0, 1], got {self.lr_scale!r}")
+        _check_part_bytes(self.part_bytes)
+
+
+def _check_part_bytes(part_bytes: int) -> None:
+    if part_bytes < 0:
+        raise ValueError(f"part_bytes must be >= 0 (0: one message), got {part_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -413,6 +424,14 @@ class WeightsReply(Body):
     slowest_clock: int  # slowest live wave's clock when the read was served (-1: none)
     action: str = ""  # with push_pull: what became of the pushed gradient
     shm: bool = False  # the weights are in the wave's pull segment, not in tensor frames
+    # Weights asked for in parts come as ``parts`` messages, numbered from 0, each with its run
+    # of the shard's chunks (header.keys) in the shard's order: the model's, forward first.
+    part: int = 0
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.part < self.parts:
+            raise ValueError(f"part {self.part} of {self.parts}: parts are numbered 0..parts-1")
 
 
 @dataclass(frozen=True)

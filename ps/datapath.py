@@ -8,6 +8,7 @@ ps-lite's ``Van`` sits below its request handler.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,14 +75,32 @@ class ShardDataPath:
         values: list[torch.Tensor],
         wave: WaveId | None,
         shm: bool,
-    ) -> Outgoing:
+        part_bytes: int = 0,
+    ) -> list[Outgoing]:
         """``values`` for ``wave``: zero-copy frames, or copied into its pull segment (the wave
-        reads it before its next request, so nothing else writes it meanwhile)."""
+        reads it before its next request, so nothing else writes it meanwhile). Frames asked
+        for in parts (``part_bytes``) go as one message per run of chunks of about that many
+        bytes, in the shard's order, so the wave can start on the first layers' weights while
+        the rest are on the wire (worker/pull_hooks.py)."""
         if shm and wave is not None:
             for view, value in zip(self._segments_of(wave).pull_views, values, strict=True):
                 view.copy_(value)
-            return Outgoing(peer, header)
-        return Outgoing(peer, header, values)
+            return [Outgoing(peer, header)]
+        runs = _runs(values, part_bytes)
+        if len(runs) == 1:
+            return [Outgoing(peer, header, values)]
+        return [
+            Outgoing(
+                peer,
+                dataclasses.replace(
+                    header,
+                    keys=header.keys[start:stop],
+                    body={**header.body, "part": part, "parts": len(runs)},
+                ),
+                values[start:stop],
+            )
+            for part, (start, stop) in enumerate(runs)
+        ]
 
     def attach(
         self, wave: WaveId, transport: str, specs: list[ChunkSpec], version: int
@@ -125,3 +144,19 @@ class ShardDataPath:
                 "attach first (or send tensor frames)",
             )
         return segments
+
+
+def _runs(values: list[torch.Tensor], part_bytes: int) -> list[tuple[int, int]]:
+    """``values`` cut into consecutive runs [start, stop) of at least ``part_bytes`` bytes each
+    (the last may be smaller); one run for ``part_bytes`` 0."""
+    if part_bytes <= 0 or not values:
+        return [(0, len(values))]
+    runs, start, size = [], 0, 0
+    for i, v in enumerate(values):
+        size += v.numel() * v.element_size()
+        if size >= part_bytes:
+            runs.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < len(values):
+        runs.append((start, len(values)))
+    return runs

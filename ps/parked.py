@@ -20,6 +20,7 @@ class ParkedPull:
     since: float
     action: str = ""  # what became of the push that came with this pull
     shm: bool = False  # answer through the wave's pull segment
+    part_bytes: int = 0  # answer in parts of about this many bytes (0: one message)
 
 
 class ParkedPulls:
@@ -41,18 +42,22 @@ class ParkedPulls:
                 "the most this shard holds (max_parked)",
             )
 
-    def park(self, peer: bytes, request_id: int, wave: WaveId, clock: int, action, shm) -> None:
-        self.pulls.append(ParkedPull(peer, request_id, wave, clock, time.monotonic(), action, shm))
+    def park(
+        self, peer: bytes, request_id: int, wave: WaveId, clock: int, action, shm, part_bytes=0
+    ) -> None:
+        self.pulls.append(
+            ParkedPull(peer, request_id, wave, clock, time.monotonic(), action, shm, part_bytes)
+        )
 
     def release(
         self,
         may_read: Callable[[WaveId, int], bool],
-        serve: Callable[[ParkedPull, float], Outgoing],
+        serve: Callable[[ParkedPull, float], list[Outgoing]],
     ) -> list[Outgoing]:
         """Serve every pull whose clock may now read: ``serve(pull, seconds_parked)`` gives its
         answer (weights, or an error for that pull alone)."""
         ready = [p for p in self.pulls if may_read(p.wave, p.clock)]
-        out = [serve(p, time.monotonic() - p.since) for p in ready]
+        out = [m for p in ready for m in serve(p, time.monotonic() - p.since)]
         # only now: if serving raised, every pull is still here for the caller to answer
         self.pulls = [p for p in self.pulls if p not in ready]
         return out

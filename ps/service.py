@@ -212,7 +212,7 @@ class ShardService:
         seeded = self.shard.initialize(h.plan, h.keys, tensors, body.trainable, body.wire)
         return self._reply(peer, h, InitReply(self.shard.version, seeded))
 
-    def rpc_pull(self, peer, h: Header, body: PullRequest, tensors) -> Outgoing | None:
+    def rpc_pull(self, peer, h: Header, body: PullRequest, tensors) -> list[Outgoing]:
         if body.observer:
             # Evaluation and tools read the current weights; they are not a wave and never park.
             self.shard.check_plan(h.plan)
@@ -220,17 +220,21 @@ class ShardService:
         wave = self.members.registered(h, peer)
         self.datapath.check_pull(wave, body.shm)
         self.parked.check_room()
-        return self._pull_or_park(peer, h.request_id, wave, h.clock, shm=body.shm)
+        return self._pull_or_park(
+            peer, h.request_id, wave, h.clock, shm=body.shm, part_bytes=body.part_bytes
+        )
 
     def rpc_push(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing:
         _, action = self._push(peer, h, body, tensors)
         return self._reply(peer, h, PushReply(self.shard.version, action))
 
-    def rpc_push_pull(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing | None:
+    def rpc_push_pull(self, peer, h: Header, body: PushRequest, tensors) -> list[Outgoing]:
         self.parked.check_room()  # before the push: a refused request must change nothing
         wave, action = self._push(peer, h, body, tensors)
         clock = self.clocks.clocks[wave]
-        return self._pull_or_park(peer, h.request_id, wave, clock, action, shm=body.shm)
+        return self._pull_or_park(
+            peer, h.request_id, wave, clock, action, shm=body.shm, part_bytes=body.part_bytes
+        )
 
     def rpc_leave(self, peer: Peer, h: Header, body, tensors) -> list[Outgoing]:
         wave = self.members.registered(h, peer)
@@ -343,12 +347,13 @@ class ShardService:
         clock: int,
         action: str = "",
         shm: bool = False,
-    ) -> Outgoing | None:
+        part_bytes: int = 0,
+    ) -> list[Outgoing]:
         if self._may_read(wave, clock):
-            return self._weights(peer, request_id, wave, clock, 0.0, action, shm)
-        self.parked.park(peer.identity, request_id, wave, clock, action, shm)
+            return self._weights(peer, request_id, wave, clock, 0.0, action, shm, part_bytes)
+        self.parked.park(peer.identity, request_id, wave, clock, action, shm, part_bytes)
         self.stats[wave].parked += 1
-        return None
+        return []
 
     def _may_read(self, wave: WaveId, clock: int) -> bool:
         if not self.shard.initialized:
@@ -357,12 +362,14 @@ class ShardService:
             return False  # start barrier: wait for the whole job to register
         return self.updates.may_read(wave, clock)
 
-    def _serve_parked(self, p: ParkedPull, waited: float) -> Outgoing:
+    def _serve_parked(self, p: ParkedPull, waited: float) -> list[Outgoing]:
         self.stats[p.wave].parked_s += waited
         try:
-            return self._weights(p.peer, p.request_id, p.wave, p.clock, waited, p.action, p.shm)
+            return self._weights(
+                p.peer, p.request_id, p.wave, p.clock, waited, p.action, p.shm, p.part_bytes
+            )
         except ProtocolError as e:  # e.g. its segments are gone: this pull alone fails
-            return self._reject(p.peer, p.request_id, e.code, e.message, None)
+            return [self._reject(p.peer, p.request_id, e.code, e.message, None)]
 
     def _weights(
         self,
@@ -373,8 +380,9 @@ class ShardService:
         parked_s: float,
         action: str = "",
         shm: bool = False,
+        part_bytes: int = 0,
         master: bool = False,
-    ) -> Outgoing:
+    ) -> list[Outgoing]:
         slowest = self.clocks.min_live_clock()
         body = WeightsReply(
             version=self.shard.version,
@@ -392,7 +400,7 @@ class ShardService:
         peer = peer.identity if isinstance(peer, Peer) else peer
         # into a shared-memory segment the copy casts on its way (one pass, no 16-bit copy)
         values = self.shard.values() if master or shm else self.shard.wire_values()
-        return self.datapath.weights_reply(peer, header, values, wave, shm)
+        return self.datapath.weights_reply(peer, header, values, wave, shm, part_bytes)
 
     # --- membership, admin, errors ------------------------------------------------------------
 

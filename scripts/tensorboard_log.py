@@ -2,7 +2,7 @@
 them (so a long job can be watched live, and the scalars are the records' own numbers).
 
 Tags: ``loss/<wave>``,
-``step_time/<forward_s|backward_s|push_pull_s|baton_wait_s|compute_wait_s>/<wave>``,
+``step_time/<forward_s|backward_s|push_pull_s|pull_wait_s|baton_wait_s|compute_wait_s>/<wave>``,
 ``activations/saved_bytes_peak/<wave>`` (x: the wave's iteration); ``staleness/mean/<wave>`` and
 ``staleness/p99/<wave>`` over windows of ``STALENESS_WINDOW`` pushes (x: the wave's clock);
 ``test_accuracy`` (x: epochs done), ``final_test_accuracy``; ``samples_per_s`` (all waves since the
@@ -18,7 +18,14 @@ from pathlib import Path
 
 from wavelet.common.figures import quantile
 
-STEP_TIMES = ("forward_s", "backward_s", "push_pull_s", "baton_wait_s", "compute_wait_s")
+STEP_TIMES = (
+    "forward_s",
+    "backward_s",
+    "push_pull_s",
+    "pull_wait_s",
+    "baton_wait_s",
+    "compute_wait_s",
+)
 STALENESS_WINDOW = 20  # pushes per wave (over all shards) per staleness point
 
 

@@ -104,7 +104,9 @@ def test_a_garbage_collection_inside_the_meter_does_not_deadlock():
     assert meter.current == 0
 
 
-def _run_worker(shard_daemons, tmp_path, waves: int, *job: str, threads: int = 1):
+def _run_worker(
+    shard_daemons, tmp_path, waves: int, *job: str, threads: int = 1, transport: str = "auto"
+):
     job = (*JOB, *job)
     daemons = shard_daemons([*job, "--waves", str(waves)], count=2, expect_waves=waves)
     cmd = wavelet_cmd(
@@ -116,6 +118,8 @@ def _run_worker(shard_daemons, tmp_path, waves: int, *job: str, threads: int = 1
         "2",
         "--threads",
         str(threads),
+        "--transport",
+        transport,
         "--run-dir",
         str(tmp_path / "run"),
     )
@@ -166,6 +170,24 @@ def test_wave_turns_read_the_update_the_other_wave_just_made(shard_daemons, tmp_
     for w, recs in steps.items():
         for k, r in enumerate(recs):
             assert r["versions_read"] == [2 * k + w] * 2, (w, k, r["versions_read"])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_waves_pulling_during_forward_read_the_same_versions(shard_daemons, tmp_path, threads):
+    # weights in parts of 1 KiB over TCP, each layer's forward waiting for its own: wave turns
+    # still read exactly the other wave's update of the same turn, in every layer (the hooks
+    # run on the computing thread with 2 threads)
+    job = ("--updates", "wave-turns", "--pull-during-forward", "true", "--pull-part-kib", "1")
+    records = _run_worker(shard_daemons, tmp_path, 2, *job, threads=threads, transport="tcp")
+    steps = {w: [r for r in recs if r["kind"] == "step"] for w, recs in records.items()}
+    assert len(steps[0]) == len(steps[1]) > 10
+    for w, recs in steps.items():
+        for k, r in enumerate(recs):
+            assert r["versions_read"] == [2 * k + w] * 2, (w, k, r["versions_read"])
+            assert r["transport"] == ["tcp", "tcp"]
+        # every step but the first took its weights during its forward
+        assert all(r["pull_wait_s"] >= 0 for r in recs[1:]) and recs[0]["pull_wait_s"] == 0
+    assert any(r["kind"] == "eval" for r in records[0])
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -34,6 +34,7 @@ from wavelet.common.protocol import (
     RemoteError,
     ShardError,
     ShardTimeout,
+    WeightsReply,
     decode_reply,
     raise_for_error,
     reply_body,
@@ -75,6 +76,7 @@ class PSClient:
         keys: ClientKeys | None = None,
         transport: str = "auto",
         error_feedback: bool = False,
+        part_bytes: int = 0,
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -87,6 +89,8 @@ class PSClient:
         self.wave = wave
         self.timeout_s = timeout_s
         self.stop = stop or threading.Event()
+        # weights after a push come in messages of about this many bytes (0: one per shard)
+        self.part_bytes = part_bytes
         self.chunks = [plan.for_shard(i) for i in range(plan.num_shards)]
         self._ids = itertools.count(1)
         self.data = WaveDataPath(tensors, self.chunks, error_feedback)
@@ -192,7 +196,11 @@ class PSClient:
             for shm in map(self.data.shm, range(len(self.sockets)))
         ]
         recover = None if observer else (lambda i: self._recover(i, clock))
-        return self._load(self._exchange(messages, recover))
+        exchange = self._open_exchange(pull=True)
+        for i, (h, tensors) in enumerate(messages):
+            self._send_in(exchange, i, h, tensors, recover)
+        self._gather(exchange, recover)
+        return exchange.pull.result()
 
     def push_pull(
         self, clock: int, read_versions: list[int], lr_scale: float = 1.0, skip: bool = False
@@ -220,7 +228,7 @@ class PSClient:
             clock=clock,
             read_version=read_version,
             keys=[] if skip else [c.key for c in self.chunks[shard]],
-            body=PushRequest(lr_scale=lr_scale, shm=shm, skip=skip),
+            body=PushRequest(lr_scale=lr_scale, shm=shm, skip=skip, part_bytes=self.part_bytes),
         )
         return h, [] if skip else self.data.gradients(shard)
 
@@ -279,22 +287,6 @@ class PSClient:
             reason,
         )
 
-    def _load(self, replies: list[tuple[Header, list[torch.Tensor]]]) -> PullResult:
-        bodies = [reply_body(Op.PULL, h) for h, _ in replies]
-        for i, (_, tensors) in enumerate(replies):
-            try:
-                self.data.load(i, bodies[i].shm, tensors)
-            except ValueError as e:
-                raise ShardError(f"shard {self.addresses[i]} {e}") from None
-        versions = [b.version for b in bodies]
-        self.last_versions = [max(a, b) for a, b in zip(self.last_versions, versions, strict=True)]
-        return PullResult(
-            versions=versions,
-            parked_s=max(b.parked_s for b in bodies),
-            dropped=sum(b.action == "dropped" for b in bodies),
-            slowest_clock=[b.slowest_clock for b in bodies],
-        )
-
     # --- requests -----------------------------------------------------------------------------
 
     def _header(self, op: Op, body: Body | None = None, **fields) -> Header:
@@ -325,24 +317,31 @@ class PSClient:
             self._send_in(exchange, i, h, tensors, recover)
         return self._gather(exchange, recover)
 
-    def _open_exchange(self) -> _Exchange:
+    def _open_exchange(self, pull: bool = False) -> _Exchange:
+        """A new request id's exchange; ``pull``: its replies are weights, loaded into our
+        tensors part by part as they arrive (``_PullParts``)."""
         self._watch_connections(block_ms=0)
-        return _Exchange(next(self._ids), [None] * len(self.sockets))
+        return _Exchange(
+            next(self._ids), [None] * len(self.sockets), pull=_PullParts(self) if pull else None
+        )
 
     def _send_in(self, exchange: _Exchange, i: int, h: Header, tensors, recover) -> None:
         """Message ``h`` of ``exchange`` to shard ``i``, queued without waiting."""
         if recover is not None and self._restarted[i]:
-            exchange.replies[i] = self._rejoin(i, recover)
+            exchange.take_rejoin(i, self._rejoin(i, recover))
             return
         h.request_id = exchange.request_id
         if not self._try_send(i, h, tensors):
             exchange.unsent[i] = (h, tensors)  # no connection yet: retried in _gather
 
-    def _gather(self, exchange: _Exchange, recover) -> list[tuple[Header, list[torch.Tensor]]]:
-        """Every reply of ``exchange`` (or raise on the first error), under one deadline."""
+    def _gather(
+        self, exchange: _Exchange, recover, until: Callable[[], bool] | None = None
+    ) -> list[tuple[Header, list[torch.Tensor]]]:
+        """Every reply of ``exchange`` (or raise on the first error), under one deadline; with
+        ``until``, only until ``until()`` holds (some replies may then still be missing)."""
         rid, replies, unsent = exchange.request_id, exchange.replies, exchange.unsent
         deadline = time.monotonic() + self.timeout_s
-        while any(r is None for r in replies):
+        while any(r is None for r in replies) and not (until is not None and until()):
             if self.stop.is_set():
                 raise StopRequested()
             left = deadline - time.monotonic()
@@ -373,15 +372,15 @@ class PSClient:
                 if h.op == Op.ERROR:
                     if recover is not None and h.body.get("code") == ErrorCode.NOT_REGISTERED:
                         # dropped from the membership (silent too long): join again
-                        replies[i] = self._rejoin(i, recover)
+                        exchange.take_rejoin(i, self._rejoin(i, recover))
                         continue
                     raise_for_error(h, self.addresses[i])
-                replies[i] = (h, tensors)
+                exchange.take(i, (h, tensors))
             if recover is not None:
                 for i, r in enumerate(replies):
                     if r is None and self._restarted[i]:
                         unsent.pop(i, None)  # the re-join's pull stands in for it
-                        replies[i] = self._rejoin(i, recover)
+                        exchange.take_rejoin(i, self._rejoin(i, recover))
         return replies
 
     # --- shard restarts -----------------------------------------------------------------------
@@ -507,6 +506,112 @@ class _Exchange:
     request_id: int
     replies: list
     unsent: dict[int, tuple[Header, list[torch.Tensor]]] = field(default_factory=dict)
+    pull: _PullParts | None = None  # a pull's replies: weights, taken in part by part
+
+    def take(self, i: int, reply: tuple[Header, list[torch.Tensor]]) -> None:
+        """A reply (or one part of it) from shard ``i``."""
+        if self.pull is None or self.pull.take(i, *reply):
+            self.replies[i] = reply
+
+    def take_rejoin(self, i: int, reply: tuple[Header, list[torch.Tensor]]) -> None:
+        """The pull of a re-join with shard ``i``: it stands in for all of shard i's reply."""
+        if self.pull is not None:
+            self.pull.restart(i)
+        self.take(i, reply)
+
+
+class _PullParts:
+    """A pull's weights, loaded into the wave's tensors as each shard's reply, or each part of
+    it, arrives; ``loaded`` holds the chunk keys in so far (worker/pull_hooks.py waits on it)."""
+
+    def __init__(self, client: PSClient):
+        self.client = client
+        shards = len(client.sockets)
+        self.bodies: list[WeightsReply | None] = [None] * shards
+        self.next_part = [0] * shards
+        self.next_chunk = [0] * shards
+        self.loaded: set[int] = set()
+        self._result: PullResult | None = None
+
+    def take(self, i: int, h: Header, tensors: list[torch.Tensor]) -> bool:
+        """Load one part of shard ``i``'s weights; True once all of its reply is in."""
+        address = self.client.addresses[i]
+        body = reply_body(Op.PULL, h)
+        first = self.bodies[i]
+        if body.part != self.next_part[i] or (first is not None and body.parts != first.parts):
+            raise ShardError(
+                f"shard {address} sent part {body.part} of {body.parts} where part "
+                f"{self.next_part[i]} was due"
+            )
+        if first is None:
+            self.bodies[i] = body
+        try:
+            keys = self.client.data.load(i, body.shm, h.keys, tensors, self.next_chunk[i])
+        except ValueError as e:
+            raise ShardError(f"shard {address} {e}") from None
+        self.loaded.update(keys)
+        self.next_chunk[i] += len(keys)
+        self.next_part[i] += 1
+        if self.next_part[i] < body.parts:
+            return False
+        held = len(self.client.chunks[i])
+        if self.next_chunk[i] != held:
+            raise ShardError(f"shard {address} sent {self.next_chunk[i]} of its {held} chunks")
+        return True
+
+    def restart(self, i: int) -> None:
+        """Shard ``i`` answers afresh (a re-join): forget the parts it sent before."""
+        self.bodies[i] = None
+        self.next_part[i] = self.next_chunk[i] = 0
+
+    def result(self) -> PullResult:
+        """What the whole pull read (every shard's reply is in)."""
+        if self._result is None:
+            bodies = self.bodies
+            versions = [b.version for b in bodies]
+            client = self.client
+            client.last_versions = [
+                max(a, b) for a, b in zip(client.last_versions, versions, strict=True)
+            ]
+            self._result = PullResult(
+                versions=versions,
+                parked_s=max(b.parked_s for b in bodies),
+                dropped=sum(b.action == "dropped" for b in bodies),
+                slowest_clock=[b.slowest_clock for b in bodies],
+            )
+        return self._result
+
+
+class PendingPull:
+    """The weights of a push_pull still on their way (``PushRound.finish(defer=True)``): the
+    wave's next forward waits only for the chunks each layer needs (``wait_for``, from
+    worker/pull_hooks.py) and ``result`` for the rest. Its sockets are used by whichever thread
+    calls, one at a time: the wave's, or the computing thread while the wave's waits on it."""
+
+    def __init__(self, client: PSClient, exchange: _Exchange, recover):
+        self.client, self.exchange, self.recover = client, exchange, recover
+        self.waited_s = 0.0  # spent waiting for weights, in wait_for and result
+
+    @property
+    def loaded(self) -> set[int]:
+        return self.exchange.pull.loaded
+
+    def wait_for(self, keys: frozenset[int]) -> None:
+        """Return once every chunk in ``keys`` is loaded."""
+        loaded = self.exchange.pull.loaded
+        if keys <= loaded:
+            return
+        began = time.perf_counter()
+        self.client._gather(self.exchange, self.recover, until=lambda: keys <= loaded)
+        self.waited_s += time.perf_counter() - began
+
+    def result(self) -> PullResult:
+        """Every shard's weights loaded; what the pull read."""
+        if any(r is None for r in self.exchange.replies):
+            began = time.perf_counter()
+            self.client._gather(self.exchange, self.recover)
+            self.waited_s += time.perf_counter() - began
+        return self.exchange.pull.result()
 
 
 class PushRound:
@@ -518,7 +623,7 @@ class PushRound:
     def __init__(self, client: PSClient, clock: int, read_versions: list[int], lr_scale: float):
         self.client, self.clock = client, clock
         self.read_versions, self.lr_scale = read_versions, lr_scale
-        self.exchange = client._open_exchange()
+        self.exchange = client._open_exchange(pull=True)
         self.sent = [False] * len(client.sockets)
         self.first_sent_at: float | None = None  # time.perf_counter() of the first send
 
@@ -542,9 +647,10 @@ class PushRound:
         c.data.flush()
         c._send_in(self.exchange, shard, h, tensors, None)
 
-    def finish(self, skip: bool = False) -> PullResult:
+    def finish(self, skip: bool = False, defer: bool = False) -> PullResult | PendingPull:
         """Push to every shard not pushed yet (``skip``: with no gradients, the fp16 overflow
-        case, which never pushes early) and read every shard's next weights."""
+        case, which never pushes early) and read every shard's next weights; with ``defer``,
+        return at once and let the next forward take them as they come (``PendingPull``)."""
         c = self.client
         if skip and any(self.sent):
             raise RuntimeError("a skipped step cannot have pushed gradients during backward")
@@ -557,4 +663,5 @@ class PushRound:
         recover = lambda i: c._recover(i, self.clock + 1)  # noqa: E731
         for i in late:
             c._send_in(self.exchange, i, *messages[i], recover)
-        return c._load(c._gather(self.exchange, recover))
+        pending = PendingPull(c, self.exchange, recover)
+        return pending if defer else pending.result()

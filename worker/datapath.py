@@ -137,9 +137,18 @@ class WaveDataPath:
 
     # --- incoming -----------------------------------------------------------------------------
 
-    def load(self, shard: int, shm: bool, frames: list[torch.Tensor]) -> None:
-        """Copy ``shard``'s weights into our tensors: from its frames, or from our pull segment
-        when the reply says it wrote them there. ValueError when it names a segment we lack."""
+    def load(
+        self,
+        shard: int,
+        shm: bool,
+        keys: list[int],
+        frames: list[torch.Tensor],
+        start: int = 0,
+    ) -> list[int]:
+        """Copy weights from ``shard`` into our tensors: the run of its chunks from ``start`` that
+        ``keys`` names, from ``frames`` (a reply, or one part of it), or all of them from our pull
+        segment when the reply says it wrote them there. Returns the keys loaded; ValueError when
+        the reply names other chunks or a segment we lack."""
         if shm:
             link = self.links[shard]
             if link is None:
@@ -147,14 +156,22 @@ class WaveDataPath:
                     "answered through a shared-memory segment this wave has not attached"
                 )
             frames = link.pull_views  # the weights this shard wrote for us alone
+        chunks = self.chunks[shard][start : start + len(frames)]
+        expected = [c.key for c in chunks]
+        if list(keys) != expected or len(frames) != len(chunks):
+            raise ValueError(
+                f"sent {len(frames)} tensors for chunks {_brief(keys)} where chunks "
+                f"{_brief(expected)} were due; run the same Wavelet release everywhere"
+            )
         with torch.no_grad():
-            for c, value in zip(self.chunks[shard], frames, strict=True):
+            for c, value in zip(chunks, frames, strict=True):
                 target = chunk_view(self.tensors[c.name].data, c)
                 if target.device.type == "cpu":
                     target.copy_(value)
                 else:  # from a pinned segment: asynchronous; done before our next send
                     target.copy_(value, non_blocking=True)
                     self._pending_device = target.device
+        return expected
 
     # --- one chunk ----------------------------------------------------------------------------
 
@@ -225,3 +242,7 @@ class WaveDataPath:
         staged.copy_(tensor, non_blocking=True)  # waited for once per message: flush()
         self._pending_device = tensor.device
         return staged
+
+
+def _brief(keys: list[int]) -> str:
+    return str(list(keys)) if len(keys) <= 4 else f"[{keys[0]}, {keys[1]}, ..., {keys[-1]}]"

@@ -81,8 +81,12 @@ class TestSnapshots:
         """Count the next interval from now."""
         self.last = time.monotonic()
 
+    def due(self) -> bool:
+        """A copy is due: ``maybe_take`` would take one now."""
+        return bool(self.every_s) and time.monotonic() - self.last >= self.every_s
+
     def maybe_take(self, model: torch.nn.Module, epoch: int) -> None:
-        if not self.every_s or time.monotonic() - self.last < self.every_s:
+        if not self.due():
             return
         state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         self.taken.append((time.time(), epoch, state))

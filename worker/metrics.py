@@ -19,6 +19,7 @@ TIMES = (
     "forward_s",
     "backward_s",
     "push_pull_s",
+    "pull_wait_s",  # pull_during_forward: the forward waiting for weights still on the wire
     "baton_wait_s",
     "bound_wait_s",
     "compute_wait_s",

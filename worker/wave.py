@@ -8,6 +8,7 @@ wave does is recorded as one JSON line per iteration in the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -27,12 +28,13 @@ from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.common.step import load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
-from wavelet.worker.client import PSClient, StopRequested
+from wavelet.worker.client import PendingPull, PSClient, PullResult, StopRequested
 from wavelet.worker.compute import InlineCompute, SharedCompute
 from wavelet.worker.connection import client_keys
 from wavelet.worker.evaluate import TestSnapshots
 from wavelet.worker.loss_scale import LossScale
 from wavelet.worker.memory import SavedActivationMeter, device_memory
+from wavelet.worker.pull_hooks import PullDuringForward
 from wavelet.worker.push_hooks import PushDuringBackward
 
 log = logging.getLogger(__name__)
@@ -137,14 +139,19 @@ class Wave:
             self.keys,
             self.config.transport,
             job.wire_error_feedback,
+            part_bytes=job.pull_part_kib * 1024 if job.pull_during_forward else 0,
         )
         # fp16 pushes nothing before its loss scale has seen every gradient
         self.pusher = None
         if job.push_during_backward and not self.loss_scale.enabled:
             self.pusher = PushDuringBackward(dict(model.named_parameters()), client.chunks)
+        self.puller = None
+        if job.pull_during_forward:
+            self.puller = PullDuringForward(model, tensors, client.chunks)
         try:
-            self._run_epochs(model, meter, client, part, steps)
+            last = self._run_epochs(model, meter, client, part, steps)
             if not self.stop.is_set():
+                _settle(last)  # the model ends on the last weights
                 client.leave()  # only after success: a failed wave must not wait on shards again
                 self.baton.leave(ident.local)  # the other waves go on while this one tests
                 # the copies taken during training (eval_every_s)
@@ -153,6 +160,8 @@ class Wave:
             self.baton.leave(ident.local)
             if self.pusher is not None:
                 self.pusher.close()
+            if self.puller is not None:
+                self.puller.close()
             client.close()
             if meter.trace:
                 self.records.write(
@@ -164,7 +173,8 @@ class Wave:
                     }
                 )
 
-    def _run_epochs(self, model, meter, client, part, steps: int) -> None:
+    def _run_epochs(self, model, meter, client, part, steps: int) -> PullResult | PendingPull:
+        """Train until the budget is spent; returns the last pull (maybe still on its way)."""
         job, ident = self.job, self.ident
         clock = max(client.register(0, resume=self.config.resume))
         # Resuming, the wave goes on from the iteration its clock says it had reached.
@@ -199,7 +209,7 @@ class Wave:
                 if self.stop.is_set():
                     raise StopRequested()
                 if job.max_seconds and time.monotonic() - started >= job.max_seconds:
-                    return
+                    return pulled
                 meter.tracing = iteration < job.memory_trace_iters
                 done = progress(
                     iteration, job.epochs * steps, time.monotonic() - started, job.max_seconds
@@ -211,13 +221,19 @@ class Wave:
                 clock += 1
                 iteration += 1
                 if self.evaluate:
+                    if self.tests.due():
+                        _settle(pulled)  # a copy of the weights this step's push made
                     self.tests.maybe_take(model, epoch)
             if self.evaluate and job.eval_every and (epoch + 1) % job.eval_every == 0:
+                _settle(pulled)
                 self.tests.test_epoch(model, epoch, self.records.write)
             self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
+        return pulled
 
     def _step(self, model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale):
-        """One iteration: forward while holding the baton, backward, push and pull, record."""
+        """One iteration: forward while holding the baton (taking the weights of a deferred
+        pull as they come), backward, push, and pull (deferred to the next forward with
+        ``pull_during_forward``), record."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         rec = {
             "kind": "step",
@@ -226,12 +242,15 @@ class Wave:
             "epoch": epoch,
             "iter": iteration,
             "clock": clock,
-            "versions_read": pulled.versions,
         }
+        pending = pulled if isinstance(pulled, PendingPull) else None
         baton_wait = self.baton.acquire(self.ident.local)
         t0 = time.perf_counter()
-        loss, forward_s = self.compute(self._forward, model, meter, (x, y), rec)
+        loss, forward_s = self.compute(self._forward, model, meter, (x, y), rec, pending)
         t1 = time.perf_counter()
+        if pending is not None:
+            pulled = pending.result()  # all in already: the forward's end waited for the rest
+        rec["versions_read"] = pulled.versions
         push = client.start_push(clock, pulled.versions, lr_scale)
         if self.pusher is not None:
             self.pusher.arm(push.send)  # each shard's push as soon as backward made it
@@ -245,9 +264,12 @@ class Wave:
             time.sleep((self.job.slow_factor - 1.0) * (backward_end - t0))
         finite = self.loss_scale.unscale(model)  # fp16: an overflowing step is skipped
         t2 = time.perf_counter()
-        next_pull = push.finish(skip=not finite)
+        next_pull = push.finish(skip=not finite, defer=self.puller is not None)
         self.loss_scale.update(finite)
         t3 = time.perf_counter()
+        # a deferred pull's bound and drops are known once it is in: they are recorded with the
+        # step it feeds, as the pull this step read
+        answered = pulled if isinstance(next_pull, PendingPull) else next_pull
         rec.update(
             t=time.time(),
             loss=float(loss.detach()),
@@ -256,7 +278,8 @@ class Wave:
             forward_s=forward_s,
             backward_s=backward_run_s + (t2 - backward_end),
             # waiting for the thread that computes for every wave (worker/compute.py)
-            compute_wait_s=(t1 - t0 - forward_s) + (backward_end - t1 - backward_run_s),
+            compute_wait_s=(t1 - t0 - forward_s - rec.get("pull_wait_s", 0.0))
+            + (backward_end - t1 - backward_run_s),
             push_pull_s=t3 - t2,
             pushed_in_backward=push.early,  # shards pushed from gradient hooks
             # how long backward went on after the first of them: the overlap gained
@@ -267,8 +290,8 @@ class Wave:
             wire_overflows=client.data.wire_overflows,
             transport=client.transports,
             lr_scale=lr_scale,
-            bound_wait_s=next_pull.parked_s,
-            dropped=next_pull.dropped,
+            bound_wait_s=answered.parked_s,
+            dropped=answered.dropped,
             lost_updates=client.lost_updates,
             saved_bytes_peak=meter.peak,
             **device_memory(self.device),
@@ -278,15 +301,20 @@ class Wave:
             self.metrics.record(self.ident.name, rec)
         return next_pull
 
-    def _forward(self, model, meter, batch, rec: dict) -> tuple[torch.Tensor, float]:
-        """The loss and how long it took, computed while this wave holds the baton (acquired by
-        the caller); the baton passes on once backward has freed enough of these activations."""
+    def _forward(
+        self, model, meter, batch, rec: dict, pending: PendingPull | None = None
+    ) -> tuple[torch.Tensor, float]:
+        """The loss and how long it took (less any wait for ``pending``'s weights), computed
+        while this wave holds the baton (acquired by the caller); the baton passes on once
+        backward has freed enough of these activations."""
         wave = self.ident.local
         began = time.perf_counter()
+        waited_before = pending.waited_s if pending is not None else 0.0
         try:
             meter.reset_peak()
             rec["t_forward_start"] = time.time()
-            with meter.hooks():
+            pulling = self.puller.during(pending) if self.puller else contextlib.nullcontext()
+            with meter.hooks(), pulling:
                 loss, logs = self.step(model, batch)
             rec["t_forward_end"] = time.time()
             if logs:
@@ -301,7 +329,10 @@ class Wave:
         except BaseException:
             self.baton.release(wave)
             raise
-        return loss, time.perf_counter() - began
+        # what the forward waited for weights still on the wire: not part of forward_s
+        waited = pending.waited_s - waited_before if pending is not None else 0.0
+        rec["pull_wait_s"] = waited
+        return loss, time.perf_counter() - began - waited
 
     def _backward(self, model, meter, loss: torch.Tensor) -> float:
         """Backward (pushing as it goes, where the pusher is armed); how long it took."""
@@ -315,3 +346,9 @@ class Wave:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter() - began
+
+
+def _settle(pulled: PullResult | PendingPull) -> None:
+    """Wait for a deferred pull's weights, where the model must hold them now."""
+    if isinstance(pulled, PendingPull):
+        pulled.result()
