@@ -493,6 +493,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
+    # a TERM (kill, a timeout) unwinds like Ctrl-C: the runs' processes and the namespaces go
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cluster = Cluster(args.nodes).open()
     port = 29400
     try:

@@ -190,11 +190,14 @@ class ShardServer:
     # --- sending ------------------------------------------------------------------------------
 
     def _send_all(self, messages: list[Outgoing]) -> None:
-        for m in messages:
-            self._send(m)
+        for answer in _answers(messages):
+            self._send(answer)
 
-    def _send(self, m: Outgoing) -> None:
-        self.bytes_out += sum(t.nbytes for t in m.tensors) + 64  # tensors and a header, about
+    def _send(self, answer: list[Outgoing]) -> None:
+        """One answer: a message, or the parts of one weights reply, counted as one reply."""
+        m = answer[0]
+        for part in answer:
+            self.bytes_out += sum(t.nbytes for t in part.tensors) + 64  # tensors, a header
         if not m.carries_weights:
             send_message(self.socket, m.header, m.tensors, prefix=[m.peer])
             return
@@ -232,9 +235,11 @@ class ShardServer:
                 prefix=[m.peer],
             )
             return
-        tracker = send_message(self.socket, m.header, m.tensors, prefix=[m.peer], track=True)
-        if tracker is not None:
-            unread.append(tracker)
+        trackers = [
+            send_message(self.socket, p.header, p.tensors, prefix=[p.peer], track=True)
+            for p in answer
+        ]
+        unread.append(trackers[0] if len(trackers) == 1 else zmq.MessageTracker(*trackers))
 
     def _weights_in_flight(self) -> bool:
         """Whether ZeroMQ still reads any weight reply's memory (pruning finished sends)."""
@@ -247,6 +252,24 @@ class ShardServer:
             else:
                 del self._sending[peer]
         return busy
+
+
+def _answers(messages: list[Outgoing]) -> list[list[Outgoing]]:
+    """``messages`` grouped into answers: the parts of one weights reply (same peer, same
+    request, one after another) together, every other message alone."""
+    answers: list[list[Outgoing]] = []
+    for m in messages:
+        last = answers[-1][-1] if answers else None
+        if (
+            last is not None
+            and m.carries_weights
+            and last.carries_weights
+            and (m.peer, m.header.request_id) == (last.peer, last.header.request_id)
+        ):
+            answers[-1].append(m)
+        else:
+            answers.append([m])
+    return answers
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -2,14 +2,33 @@
 waits for its own weights only (ps/datapath.py, worker/client.py, worker/pull_hooks.py)."""
 
 import threading
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ServiceWave, client_for, reply_of, service_for, shard_values, tiny_model
+import zmq
+from helpers import (
+    TIMEOUT_S,
+    ServiceWave,
+    client_for,
+    reply_of,
+    service_for,
+    shard_values,
+    tiny_model,
+)
 
 from wavelet.common.config import OptimizerConfig
-from wavelet.common.protocol import ErrorCode, Header, Op, ShardError, WeightsReply, reply_header
+from wavelet.common.protocol import (
+    ErrorCode,
+    Header,
+    Op,
+    ShardError,
+    WeightsReply,
+    decode,
+    encode,
+    reply_header,
+)
 from wavelet.worker.client import _PullParts
 from wavelet.worker.pull_hooks import PullDuringForward
 
@@ -192,3 +211,38 @@ def test_bulk_synchronous_pulling_during_forward_equals_single_process(shard_dae
     assert len(first_waits) == 2 * (STEPS - 1)
     for loaded, total in first_waits:
         assert 2 <= len(loaded) < total == 6
+
+
+def test_the_parts_of_one_answer_count_as_one_reply_against_a_slow_reader(shard_daemons):
+    """A shard refuses a client a fifth unsent weights reply (ps/server.py); the parts of one
+    answer are one reply, however many there are and however slowly the client reads them."""
+    daemons = shard_daemons(["--model", "mlp", "--dataset", "synthetic", "--staleness", "inf"])
+    # 16 chunks, 8 of 4 MiB: more parts than the shard lets a client leave unread
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8)))
+    seeder = client_for(model, daemons.addresses)
+    slow = zmq.Context.instance().socket(zmq.DEALER)
+    slow.setsockopt(zmq.LINGER, 0)
+    slow.setsockopt(zmq.RCVHWM, 1)  # takes one message in, the rest wait on the shard's side
+    slow.setsockopt(zmq.RCVBUF, 4096)
+    slow.connect(daemons.addresses[0])
+    try:
+        seeder.register(0)
+        fingerprint = seeder.plan.fingerprint
+        for rid, op, body in [(1, Op.REGISTER, {}), (2, Op.PULL, {"part_bytes": 1})]:
+            h = Header(op=op, request_id=rid, worker="slow", wave=0, clock=0, plan=fingerprint)
+            h.body = body
+            slow.send_multipart(encode(h))
+            if op == Op.REGISTER:
+                assert slow.poll(TIMEOUT_S * 1000)
+                assert decode(slow.recv_multipart())[0].op == Op.REPLY
+        time.sleep(1.0)  # the shard sent every part; most of them wait for this reader
+        parts = []
+        while len(parts) < 16 and slow.poll(TIMEOUT_S * 1000):
+            h, tensors = decode(slow.recv_multipart())
+            assert h.op == Op.REPLY, h.body  # not a limit error for the fifth part
+            parts.append((h.body["part"], h.body["parts"], h.keys))
+        assert [(p, n) for p, n, _ in parts] == [(i, 16) for i in range(16)]
+        assert [k for _, _, keys in parts for k in keys] == [c.key for c in seeder.chunks[0]]
+    finally:
+        slow.close(0)
+        seeder.close()
