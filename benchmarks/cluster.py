@@ -95,19 +95,10 @@ MODES = {
         ("--shards-per-node", "1", "--updates", "wave-turns"),
     ),
     "ticktock-turns-pull": Mode(
-        "wave turns, chunks placed by layers, each layer's forward starting as soon as its own "
-        "weights are in (pull during forward)",
+        "wave turns, each layer's forward starting as soon as its own weights are in (pull "
+        "during forward)",
         2,
-        (
-            "--shards-per-node",
-            "1",
-            "--updates",
-            "wave-turns",
-            "--placement",
-            "layers",
-            "--pull-during-forward",
-            "true",
-        ),
+        ("--shards-per-node", "1", "--updates", "wave-turns", "--pull-during-forward", "true"),
     ),
     "bsp": Mode(
         "PS, bulk-synchronous: the waves of all nodes average into one update per clock "

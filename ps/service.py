@@ -216,7 +216,15 @@ class ShardService:
         if body.observer:
             # Evaluation and tools read the current weights; they are not a wave and never park.
             self.shard.check_plan(h.plan)
-            return self._weights(peer, h.request_id, None, h.clock, 0.0, master=body.master)
+            return self._weights(
+                peer,
+                h.request_id,
+                None,
+                h.clock,
+                0.0,
+                part_bytes=body.part_bytes,
+                master=body.master,
+            )
         wave = self.members.registered(h, peer)
         self.datapath.check_pull(wave, body.shm)
         self.parked.check_room()

@@ -78,6 +78,13 @@ MODES: dict[str, Mode] = {
         {"waves": 2, "updates": "wave-turns"},
         1.0,  # a group reads, so starts its forward, after the other's backward and update
     ),
+    "ticktock-turns-pull": Mode(
+        "PS, 2 waves in strict turns, each layer's forward starting as soon as its own weights "
+        "are in (updates = wave-turns, pull_during_forward)",
+        {"schedule": "ticktock"},
+        {"waves": 2, "updates": "wave-turns", "pull_during_forward": True},
+        1.0,
+    ),
     "ticktock-tcp": Mode(
         "PS, 2 waves tick-tock, tensors over TCP (ZeroMQ frames) even to co-located shards",
         {"schedule": "ticktock", "transport": "tcp"},
@@ -146,11 +153,19 @@ MODES: dict[str, Mode] = {
     ),
 }
 # Asked for by name: allreduce-ckpt is for memory budgets, ticktock-async is ticktock while async
-# is the default, and the 16-bit pair compares wire dtypes (--modes ticktock-bf16,allreduce-bf16)
+# is the default, ticktock-turns-pull is an experiment (docs/design.md, "Pulling during
+# forward"), and the 16-bit pair compares wire dtypes (--modes ticktock-bf16,allreduce-bf16)
 DEFAULT_MODES = [
     m
     for m in MODES
-    if m not in ("allreduce-ckpt", "ticktock-async", "ticktock-bf16", "allreduce-bf16")
+    if m
+    not in (
+        "allreduce-ckpt",
+        "ticktock-async",
+        "ticktock-turns-pull",
+        "ticktock-bf16",
+        "allreduce-bf16",
+    )
 ]
 # At a memory budget: the choices of a user whose model does not fit (docs/design.md)
 BUDGET_MODES = [

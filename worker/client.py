@@ -196,11 +196,7 @@ class PSClient:
             for shm in map(self.data.shm, range(len(self.sockets)))
         ]
         recover = None if observer else (lambda i: self._recover(i, clock))
-        exchange = self._open_exchange(pull=True)
-        for i, (h, tensors) in enumerate(messages):
-            self._send_in(exchange, i, h, tensors, recover)
-        self._gather(exchange, recover)
-        return exchange.pull.result()
+        return self._exchange(messages, recover, pull=True).pull.result()
 
     def push_pull(
         self, clock: int, read_versions: list[int], lr_scale: float = 1.0, skip: bool = False
@@ -301,21 +297,24 @@ class PSClient:
         )
 
     def _all(self, op: Op, **fields) -> list[tuple[Header, list[torch.Tensor]]]:
-        return self._exchange([(self._header(op, **fields), []) for _ in self.sockets])
+        return self._exchange([(self._header(op, **fields), []) for _ in self.sockets]).replies
 
     def _exchange(
         self,
         messages: list[tuple[Header, list[torch.Tensor]]],
         recover: Callable[[int], tuple[Header, list[torch.Tensor]]] | None = None,
-    ) -> list[tuple[Header, list[torch.Tensor]]]:
-        """Send message i to shard i, then gather every reply (or raise on the first error).
+        pull: bool = False,
+    ) -> _Exchange:
+        """Send message i to shard i, then gather every reply (or raise on the first error);
+        ``pull``: the replies are weights, loaded as they come (``_open_exchange``).
 
         With ``recover``, a shard that restarted (its connection dropped and came back) is not
         waited for: ``recover(i)`` re-joins it and its result stands in for shard i's reply."""
-        exchange = self._open_exchange()
+        exchange = self._open_exchange(pull)
         for i, (h, tensors) in enumerate(messages):
             self._send_in(exchange, i, h, tensors, recover)
-        return self._gather(exchange, recover)
+        self._gather(exchange, recover)
+        return exchange
 
     def _open_exchange(self, pull: bool = False) -> _Exchange:
         """A new request id's exchange; ``pull``: its replies are weights, loaded into our

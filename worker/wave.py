@@ -2,8 +2,10 @@
 
 Per iteration: take the forward baton, forward, backward (passing the baton on once backward has
 freed most of the forward's activations, and pushing each shard's gradients as soon as backward
-has made them: worker/push_hooks.py), then push the rest and pull the next weights. Everything a
-wave does is recorded as one JSON line per iteration in the run directory.
+has made them: worker/push_hooks.py), then push the rest and pull the next weights (with
+``pull_during_forward``, the next forward takes them layer by layer as they arrive:
+worker/pull_hooks.py). Everything a wave does is recorded as one JSON line per iteration in the
+run directory.
 """
 
 from __future__ import annotations
