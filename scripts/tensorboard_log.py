@@ -2,7 +2,7 @@
 them (so a long job can be watched live, and the scalars are the records' own numbers).
 
 Tags: ``loss/<wave>``,
-``step_time/<forward_s|backward_s|push_pull_s|pull_wait_s|baton_wait_s|compute_wait_s>/<wave>``,
+``step_time/<part>/<wave>`` (each part of a step the records time: ``STEP_PARTS``),
 ``activations/saved_bytes_peak/<wave>`` (x: the wave's iteration); ``staleness/mean/<wave>`` and
 ``staleness/p99/<wave>`` over windows of ``STALENESS_WINDOW`` pushes (x: the wave's clock);
 ``test_accuracy`` (x: epochs done), ``final_test_accuracy``; ``samples_per_s`` (all waves since the
@@ -16,16 +16,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from wavelet.common.figures import quantile
+from wavelet.common.figures import STEP_PARTS, quantile
 
-STEP_TIMES = (
-    "forward_s",
-    "backward_s",
-    "push_pull_s",
-    "pull_wait_s",
-    "baton_wait_s",
-    "compute_wait_s",
-)
 STALENESS_WINDOW = 20  # pushes per wave (over all shards) per staleness point
 
 
@@ -39,7 +31,7 @@ class RunBoard:
     def step(self, wave: str, r: dict) -> None:
         add, it, t = self.writer.add_scalar, r["iter"], r["t"]
         add(f"loss/{wave}", r["loss"], it, walltime=t)
-        for name in STEP_TIMES:
+        for name in STEP_PARTS:
             if name in r:
                 add(f"step_time/{name}/{wave}", r[name], it, walltime=t)
         if "saved_bytes_peak" in r:

@@ -177,6 +177,17 @@ class ServiceWave:
         return self.request(Op.PUSH, grads, clock=clock, read_version=read, keys=self.keys)
 
 
+def run_threads(threads: list[threading.Thread], errors: list, timeout_s: float = 90) -> None:
+    """Start ``threads``, wait for each within ``timeout_s``, and fail with what they put in
+    ``errors``."""
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), "a wave did not finish"
+    assert not errors, errors
+
+
 def reply_of(message) -> Header:
     header, _ = decode([bytes(f) for f in encode(message.header, list(message.tensors))])
     return header

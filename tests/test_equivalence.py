@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.data as tud
-from helpers import client_for, shard_values, tiny_model
+from helpers import client_for, run_threads, shard_values, tiny_model
 
 from wavelet.common.datasets import LoaderDataset
 from wavelet.common.step import load_step
@@ -168,12 +168,7 @@ def _train_waves(
         )
         for w in range(waves)
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "a wave did not finish"
-    assert not errors, errors
+    run_threads(threads, errors, timeout_s=60)
     placement = "layers" if early is not None else "size"
     return shard_values(addresses, wire_dtype=wire_dtype, placement=placement)
 

@@ -13,6 +13,7 @@ from helpers import (
     ServiceWave,
     client_for,
     reply_of,
+    run_threads,
     service_for,
     shard_values,
     tiny_model,
@@ -188,12 +189,7 @@ def test_bulk_synchronous_pulling_during_forward_equals_single_process(shard_dae
         threading.Thread(target=_train_wave, args=(daemons.addresses, w, errors, first_waits))
         for w in range(2)
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-        assert not t.is_alive(), "a wave did not finish"
-    assert not errors, errors
+    run_threads(threads, errors)
     got = shard_values(daemons.addresses, placement="layers")
 
     model = tiny_model()

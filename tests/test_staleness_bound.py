@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import RawClient, client_for, tiny_model
+from helpers import RawClient, client_for, run_threads, tiny_model
 
 from wavelet.common.protocol import Header, Op
 
@@ -45,12 +45,7 @@ def _run(daemons, slow_delay_s):
             target=_wave, args=(daemons.addresses, "slow", slow_delay_s, slow, errors)
         ),
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-        assert not t.is_alive(), "a wave did not finish"
-    assert not errors, errors
+    run_threads(threads, errors)
     return fast, slow
 
 
