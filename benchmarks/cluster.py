@@ -13,10 +13,10 @@ placed by layers, so that pushes overlap backward), ``ticktock-after`` (the same
 backward), ``ticktock-pull`` (the same as ``ticktock-layers``, each layer's forward starting as
 soon as its weights are in), ``ticktock-groups`` and ``ticktock-groups-mc`` (wave groups, with
 momentum correction), ``ticktock-turns`` and ``ticktock-turns-pull`` (wave turns, and the same
-pulling during forward), ``bsp`` (bulk-synchronous: every wave of a clock averaged into one update),
-``single`` (one wave), ``allreduce`` (one DDP rank per node at one wave's batch: about
-tick-tock's memory per device), ``allreduce-2x`` (one rank per node at the batch of both waves:
-twice the activations).
+pulling during forward), ``bsp`` (bulk-synchronous: every wave of a clock averaged into one
+update), ``single`` and ``single-pull`` (one wave, and the same pulling during forward),
+``allreduce`` (one DDP rank per node at one wave's batch: about tick-tock's memory per device),
+``allreduce-2x`` (one rank per node at the batch of both waves: twice the activations).
 The learning rate is the job's, except where one update averages more samples than all-reduce's
 at one wave's batch: ``bsp`` (all waves of a clock) and ``allreduce-2x`` take it times the
 samples per update over all-reduce's (linear scaling, as ``wavelet compare --memory-budget``).
@@ -109,6 +109,12 @@ MODES = {
     ),
     "single": Mode(
         "PS: 1 shard + 1 worker of 1 wave per node", 2, ("--shards-per-node", "1", "--waves", "1")
+    ),
+    "single-pull": Mode(
+        "the same as single, each layer's forward starting as soon as its own weights are in "
+        "(pull during forward)",
+        2,
+        ("--shards-per-node", "1", "--waves", "1", "--pull-during-forward", "true"),
     ),
     "allreduce": Mode("DDP: 1 rank per node at one wave's batch", 1, ("--mode", "allreduce")),
     "allreduce-2x": Mode(
