@@ -597,7 +597,7 @@ class PendingPull:
 
     def wait_for(self, keys: frozenset[int]) -> None:
         """Return once every chunk in ``keys`` is loaded."""
-        loaded = self.exchange.pull.loaded
+        loaded = self.loaded
         if keys <= loaded:
             return
         began = time.perf_counter()

@@ -280,7 +280,7 @@ class Wave:
             forward_s=forward_s,
             backward_s=backward_run_s + (t2 - backward_end),
             # waiting for the thread that computes for every wave (worker/compute.py)
-            compute_wait_s=(t1 - t0 - forward_s - rec.get("pull_wait_s", 0.0))
+            compute_wait_s=(t1 - t0 - forward_s - rec["pull_wait_s"])
             + (backward_end - t1 - backward_run_s),
             push_pull_s=t3 - t2,
             pushed_in_backward=push.early,  # shards pushed from gradient hooks
