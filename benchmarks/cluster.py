@@ -59,23 +59,29 @@ class Mode:
 
 
 MODES = {
-    "ticktock": Mode("PS: 1 shard + 1 worker of 2 waves per node", 2, ("--shards-per-node", "1")),
+    "ticktock": Mode(
+        "PS: 1 shard + 1 worker of 2 waves per node, asynchronous updates",
+        2,
+        ("--shards-per-node", "1", "--updates", "async"),
+    ),
     "ticktock-layers": Mode(
         "the same with chunks placed by layers: the push to the last layers' shard leaves "
         "while backward goes on",
         2,
-        ("--shards-per-node", "1", "--placement", "layers"),
+        ("--shards-per-node", "1", "--placement", "layers", "--updates", "async"),
     ),
     "ticktock-after": Mode(
         "the same as ticktock-layers, pushing only after backward (the old way)",
         2,
-        ("--shards-per-node", "1", "--placement", "layers", "--push-during-backward", "false"),
+        ("--shards-per-node", "1", "--placement", "layers", "--updates", "async")
+        + ("--push-during-backward", "false"),
     ),
     "ticktock-pull": Mode(
         "the same as ticktock-layers, each layer's forward starting as soon as its own weights "
         "are in (pull during forward, parts of 256 KiB)",
         2,
-        ("--shards-per-node", "1", "--placement", "layers", "--pull-during-forward", "true"),
+        ("--shards-per-node", "1", "--placement", "layers", "--updates", "async")
+        + ("--pull-during-forward", "true"),
     ),
     "ticktock-groups": Mode(
         "PS, wave groups: the tick waves of all nodes average into one update, the tock waves "

@@ -141,7 +141,7 @@ MODES = ("ps", "allreduce")
 # Names of ps/policy.py's policies (kept here so config has no dependency on the ps package).
 STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
 # how a shard turns pushes into updates (ps/synchronous.py)
-UPDATES = ("async", "wave-groups", "wave-turns")
+UPDATES = ("auto", "async", "wave-groups", "wave-turns")
 GROUPED_UPDATES = ("wave-groups", "wave-turns")  # a group per local wave index, taking turns
 UPDATE_LRS = ("full", "by-samples")  # the step size of one update (docs/tuning.md)
 PRECISIONS = ("fp32", "bf16", "fp16")  # of the forward (torch.autocast); parameters stay fp32
@@ -343,9 +343,14 @@ class JobConfig:
         help="what shards do with a stale gradient (see ps/policy.py)",
         choices=STALE_POLICIES,
     )
+    # auto: measured first to the target on CPU devices (docs/tuning.md, "Which rule reaches
+    # the target first"); async where a GPU's waves overlap (not measurable here)
     updates: str = setting(
-        "async",
-        help="async: every push is an update (within the staleness bound); wave-groups: the "
+        "auto",
+        help="auto: wave-turns where every worker is a CPU device running two or more waves "
+        "tick-tock and the staleness bound and stale policy are left at their defaults, async "
+        "otherwise (the launchers decide; a daemon started by hand takes async); async: every "
+        "push is an update (within the staleness bound); wave-groups: the "
         "tick waves of all devices average into one update, the tock waves into the next, in "
         "turns, each one update behind the other group (MLSys 2021; the turn order replaces the "
         "staleness bound); wave-turns: the same groups in strict turns, each reading the other's "
@@ -451,6 +456,39 @@ class JobConfig:
     @property
     def chunk_bytes(self) -> int:
         return max(1, int(self.chunk_mib * MiB))
+
+
+def launch_updates(
+    job: JobConfig,
+    devices: list[str],
+    mode: str = "ps",
+    schedule: str = "ticktock",
+    processes_per_device: int = 1,
+) -> JobConfig:
+    """``concrete_updates`` for a launch of ``job`` on ``devices`` with these settings."""
+    cpu_workers = all(torch.device(d).type == "cpu" for d in devices)
+    ticktock = mode == "ps" and schedule == "ticktock" and processes_per_device == 1
+    return concrete_updates(job, cpu_workers, ticktock)
+
+
+def concrete_updates(job: JobConfig, cpu_workers: bool, ticktock: bool = True) -> JobConfig:
+    """``job`` with ``updates = "auto"`` decided, for workers that all compute on CPUs
+    (``cpu_workers``) and run their waves tick-tock (``ticktock``, one process per device):
+    wave-turns where they do, run two or more waves and leave the staleness bound and stale
+    policy at their defaults (a user who sets either asks for asynchronous updates); async
+    otherwise. A CPU worker computes one wave at a time, so turns cost it no overlap and every
+    update is fresh; a GPU's waves overlap, which turns would give up."""
+    if job.updates != "auto":
+        return job
+    defaults = {f.name: _default_of(f) for f in dataclasses.fields(JobConfig)}
+    turns = (
+        cpu_workers
+        and ticktock
+        and job.waves >= 2
+        and job.staleness == defaults["staleness"]
+        and job.stale_policy == defaults["stale_policy"]
+    )
+    return dataclasses.replace(job, updates="wave-turns" if turns else "async")
 
 
 @dataclass
@@ -705,6 +743,12 @@ class LaunchConfig:
         for d in self.devices:
             check_device(d)
         _non_negative("threads", self.threads)
+
+    def concrete_job(self) -> JobConfig:
+        """The job with ``updates = "auto"`` decided for these devices (``concrete_updates``)."""
+        return launch_updates(
+            self.job, self.devices, self.mode, self.schedule, self.processes_per_device
+        )
 
 
 @dataclass

@@ -62,7 +62,7 @@ def shard_optimizer(job: JobConfig, expect_waves: int) -> OptimizerConfig:
     if not job.momentum_correction or not momentum:
         return opt
     streams = update_streams(job, expect_waves)
-    if job.updates == "async" and job.staleness != 0 and expect_waves <= 0:
+    if job.updates in ("async", "auto") and job.staleness != 0 and expect_waves <= 0:
         log.warning("momentum_correction needs the job's wave count (expect_waves): not applied")
         return opt
     mu = corrected_momentum(momentum, streams)

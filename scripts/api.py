@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from wavelet.common.config import ConfigError, JobConfig, LaunchConfig
-from wavelet.scripts.compare import BUDGET_MODES, DEFAULT_MODES
 
 
 class JobFailed(RuntimeError):
@@ -75,13 +74,13 @@ def compare(
     memory, staleness) or ``{"error": why}``."""
     from wavelet.scripts.budget import parse_budget
     from wavelet.scripts.compare import compare as compare_modes
-    from wavelet.scripts.compare import plan_budget
+    from wavelet.scripts.compare import default_modes, plan_budget
 
     out = Path(out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     plan = None
     if memory_budget:
         plan = plan_budget(job, parse_budget(memory_budget), devices[0], lr_scaling)
-    modes = list(modes or (BUDGET_MODES if plan else DEFAULT_MODES))
+    modes = list(modes or default_modes(job, list(devices), plan is not None))
     try:
         results = compare_modes(job, list(devices), modes, out, target, budget=plan)
     except ValueError as e:

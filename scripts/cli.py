@@ -270,9 +270,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from wavelet.scripts.budget import parse_budget
     from wavelet.scripts.compare import (
-        BUDGET_MODES,
-        DEFAULT_MODES,
         compare,
+        default_modes,
         format_table,
         plan_budget,
         verdict,
@@ -283,7 +282,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     plan = None
     if args.memory_budget:
         plan = plan_budget(job, parse_budget(args.memory_budget), args.devices[0], args.lr_scaling)
-    default = BUDGET_MODES if plan else DEFAULT_MODES
+    default = default_modes(job, args.devices, plan is not None)
     modes = [m.strip() for m in (args.modes or ",".join(default)).split(",") if m.strip()]
     try:
         results = compare(
@@ -529,7 +528,8 @@ def _add_sweep_commands(sub) -> None:
         + ", ".join(m for m in COMPARE_MODES if m not in DEFAULT_MODES)
         + "; with --memory-budget: "
         + ", ".join(BUDGET_MODES)
-        + ")",
+        + "; where ticktock comes out as wave-turns, as updates = auto does on CPUs, "
+        "ticktock-async instead of ticktock-turns)",
     )
     comp.add_argument(
         "--memory-budget",

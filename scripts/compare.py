@@ -16,7 +16,7 @@ import json
 import traceback
 from pathlib import Path
 
-from wavelet.common.config import GROUPED_UPDATES, JobConfig, LaunchConfig
+from wavelet.common.config import GROUPED_UPDATES, JobConfig, LaunchConfig, launch_updates
 from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
 from wavelet.common.machine import usable_cores
@@ -152,9 +152,10 @@ MODES: dict[str, Mode] = {
         allreduce=True,
     ),
 }
-# Asked for by name: allreduce-ckpt is for memory budgets, ticktock-async is ticktock while async
-# is the default, ticktock-turns-pull is an experiment (docs/design.md, "Pulling during
-# forward"), and the 16-bit pair compares wire dtypes (--modes ticktock-bf16,allreduce-bf16)
+# Asked for by name: allreduce-ckpt is for memory budgets, ticktock-async is ticktock where the
+# job's rule comes out async (default_modes runs it where ticktock is wave turns),
+# ticktock-turns-pull is an experiment (docs/design.md, "Pulling during forward"), and the
+# 16-bit pair compares wire dtypes (--modes ticktock-bf16,allreduce-bf16)
 DEFAULT_MODES = [
     m
     for m in MODES
@@ -178,6 +179,17 @@ BUDGET_MODES = [
     "allreduce2",
     "allreduce-ckpt",
 ]
+
+
+def default_modes(job: JobConfig, devices: list[str], budget: bool) -> list[str]:
+    """The modes ``wavelet compare`` runs unless told: where ``ticktock`` (the job's own update
+    rule) comes out as wave turns, as ``updates = auto`` does on CPUs, ``ticktock-async`` takes
+    the place of ``ticktock-turns``, so that both rules are still compared."""
+    modes = BUDGET_MODES if budget else DEFAULT_MODES
+    ticktock = mode_job(MODES["ticktock"], job, devices, None)[0]
+    if ticktock.updates != "wave-turns":
+        return list(modes)
+    return ["ticktock-async" if m == "ticktock-turns" else m for m in modes]
 
 
 @dataclasses.dataclass
@@ -221,7 +233,7 @@ def mode_job(
     the run is given (0: the worker probes). Returns (job, batch, peak, threads), the last the
     threads the budget assumed, which the run must keep (0: any). ``layouts`` keeps the thread
     probes of one comparison, so modes with the same model, batch and cores probe once."""
-    run_job = dataclasses.replace(job, **mode.job)
+    run_job = _concrete(mode, dataclasses.replace(job, **mode.job), devices)
     if plan is None:
         return run_job, 0, 0, 0
     device = devices[0]
@@ -241,6 +253,12 @@ def mode_job(
     optimizer = dataclasses.replace(run_job.optimizer, lr=lr)
     run_job = dataclasses.replace(run_job, batch_size=batch, waves=waves, optimizer=optimizer)
     return run_job, batch, peak, layout.threads if layout is not None else 0
+
+
+def _concrete(mode: Mode, job: JobConfig, devices: list[str]) -> JobConfig:
+    """``job`` with its update rule decided as ``launch`` will decide it for ``mode``."""
+    settings = {k: v for k, v in mode.launch.items() if k in ("schedule", "processes_per_device")}
+    return launch_updates(job, devices, "allreduce" if mode.allreduce else "ps", **settings)
 
 
 def _layout(

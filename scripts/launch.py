@@ -43,6 +43,7 @@ FP16_ON_CPU = (
 
 def launch(config: LaunchConfig, quiet: bool = False) -> int:
     """Run the job to the end; 0 on success, 1 if a child failed, 130 on Ctrl-C."""
+    config = dataclasses.replace(config, job=config.concrete_job())  # every process, one rule
     job_cfg = _job_per_process(config)
     tasks = len(config.devices) * config.processes_per_device * job_cfg.waves
     check_job(job_cfg, tasks)
@@ -154,9 +155,10 @@ def describe(config: LaunchConfig, job: JobConfig) -> str:
     if config.mode == "allreduce":
         how = f"all-reduce, {processes} rank(s) on {len(config.devices)} device(s)"
     else:
+        rule = f"staleness bound {job.staleness}" if job.updates == "async" else job.updates
         how = (
             f"{job.shards} shard(s), {processes} worker(s) x {job.waves} wave(s) "
-            f"({config.schedule}), staleness bound {job.staleness}"
+            f"({config.schedule}), {rule}"
         )
     return f"{how}, model {job.model} on {job.dataset}"
 

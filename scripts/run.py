@@ -27,7 +27,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-from wavelet.common.config import ConfigError, PSConfig, RunConfig, WorkerConfig
+from wavelet.common.config import (
+    ConfigError,
+    JobConfig,
+    PSConfig,
+    RunConfig,
+    WorkerConfig,
+    concrete_updates,
+)
 from wavelet.common.machine import interface_of, usable_cores
 
 log = logging.getLogger(__name__)
@@ -204,6 +211,7 @@ def run(config: RunConfig) -> int:
     layout = layout_for(role, config.shards_per_node)
     config = replace(config, job=replace(config.job, shards=layout.shards))
     store = open_store(role)
+    config = replace(config, job=_agreed_updates(config.job, role, store))
     index = layout.shard_index(role)
     if index is not None:
         return _shard(config, role, layout, index, store)
@@ -254,6 +262,20 @@ def _admin_public_key(keys) -> str:
     if keys is None or not keys.client_public(CURVE_ADMIN).exists():
         return ""
     return str(keys.client_public(CURVE_ADMIN))
+
+
+def _agreed_updates(job: JobConfig, role: Role, store) -> JobConfig:
+    """``job`` with ``updates = "auto"`` decided once, by global rank 0 from its node's devices,
+    and shared through the store: every shard and worker of the job must run the same rule."""
+    if job.updates != "auto":
+        return job
+    import torch
+
+    key = _key(role, "updates")
+    if role.rank == 0:
+        store.set(key, concrete_updates(job, not torch.cuda.is_available()).updates)
+    store.wait([key])
+    return replace(job, updates=store.get(key).decode())
 
 
 def _admin_token(role: Role, store) -> str:

@@ -193,8 +193,11 @@ def format_table(results: list[SettingResult], target: float) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s, m = r.setting, r.figures
+        # a grouped rule has no bound and no policy of its own: its name stands in their place
+        grouped = s.updates in GROUPED_UPDATES
+        bound, policy = ("-", s.updates) if grouped else (_bound(s.bound), s.policy)
         if m is None:
-            lines.append(f"| {_bound(s.bound)} | {s.policy} | failed: {r.error} |" + " |" * 6)
+            lines.append(f"| {bound} | {policy} | failed: {r.error} |" + " |" * 6)
             continue
         waves = m.staleness.values()
         mean = sum(w["mean"] for w in waves) / len(waves) if waves else 0.0
@@ -202,7 +205,7 @@ def format_table(results: list[SettingResult], target: float) -> str:
         dropped = sum(w["dropped"] for w in waves)
         ttt = f"{m.time_to_target_s:.2f}" if m.time_to_target_s is not None else "not reached"
         lines.append(
-            f"| {_bound(s.bound)} | {s.policy} | {m.samples_per_s:.0f} | {ttt} | {m.final_text} "
+            f"| {bound} | {policy} | {m.samples_per_s:.0f} | {ttt} | {m.final_text} "
             f"| {mean:.2f} | {p99} | {dropped} | {m.bound_wait_s:.2f} |"
         )
     return "\n".join(lines)

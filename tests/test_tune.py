@@ -6,7 +6,14 @@ from conftest import run_wavelet
 
 from wavelet.common.config import ConfigError
 from wavelet.common.figures import RunFigures
-from wavelet.scripts.tune import Setting, SettingResult, parse_updates, recommend, settings_for
+from wavelet.scripts.tune import (
+    Setting,
+    SettingResult,
+    format_table,
+    parse_updates,
+    recommend,
+    settings_for,
+)
 
 
 def test_settings_skip_policies_under_bulk_synchronous():
@@ -81,3 +88,14 @@ def test_wave_groups_run_once_beside_the_async_sweep():
     assert [s.name for s in turns] == ["wave-groups", "wave-turns"]
     with pytest.raises(ConfigError, match="update-rules"):
         parse_updates("async,sometimes")
+
+
+def test_a_grouped_rule_names_itself_in_the_table_instead_of_a_bound_and_policy():
+    rows = format_table(
+        [
+            SettingResult(Setting(1, "scale"), error="boom"),
+            SettingResult(Setting(1, "apply", "wave-turns"), error="boom"),
+        ],
+        0.9,
+    ).splitlines()[2:]
+    assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " scale "], [" - ", " wave-turns "]]

@@ -6,9 +6,17 @@ import pytest
 import torch
 from helpers import ServiceWave, push_header, reply_of, service_for
 
-from wavelet.common.config import ConfigError, JobConfig, OptimizerConfig
+from wavelet.common.config import (
+    ConfigError,
+    JobConfig,
+    LaunchConfig,
+    OptimizerConfig,
+    concrete_updates,
+    launch_updates,
+)
 from wavelet.common.protocol import Op, encode
 from wavelet.ps.update_rules import corrected_momentum, update_lr_factor
+from wavelet.scripts.compare import DEFAULT_MODES, default_modes
 
 LR = 0.1
 
@@ -223,3 +231,54 @@ def test_learning_rate_schedules_over_progress():
     assert warm[-1] < 1e-12
     with pytest.raises(ValueError, match="choose one of constant, cosine, warmup-cosine"):
         lr_factor("linear", 0.5)
+
+
+@pytest.mark.parametrize(
+    "cpu_workers, ticktock, job, rule",
+    [
+        (True, True, {}, "wave-turns"),  # a CPU computes one wave at a time: turns cost nothing
+        (False, True, {}, "async"),  # a GPU's waves overlap
+        (True, False, {}, "async"),  # waves started together, or one process per wave
+        (True, True, {"waves": 1}, "async"),
+        (True, True, {"staleness": 0}, "async"),  # a bound or a policy of the user's: async
+        (True, True, {"staleness": 4}, "async"),
+        (True, True, {"staleness": float("inf")}, "async"),
+        (True, True, {"stale_policy": "dc-asgd"}, "async"),
+        (True, True, {"updates": "async"}, "async"),  # a rule of the user's is kept
+        (False, True, {"updates": "wave-turns"}, "wave-turns"),
+        (True, True, {"updates": "wave-groups"}, "wave-groups"),
+    ],
+)
+def test_auto_updates_are_wave_turns_only_where_waves_compute_one_at_a_time(
+    cpu_workers, ticktock, job, rule
+):
+    assert JobConfig().updates == "auto"
+    got = concrete_updates(JobConfig(**job), cpu_workers, ticktock)
+    assert got.updates == rule
+    assert got.staleness == JobConfig(**job).staleness  # nothing else changes
+
+
+def test_the_launchers_decide_auto_from_their_devices_and_schedule():
+    def rule(**launch):
+        return LaunchConfig(**launch).concrete_job().updates
+
+    assert rule(devices=["cpu", "cpu"]) == "wave-turns"
+    assert launch_updates(JobConfig(), ["cuda:0", "cuda:1"]).updates == "async"
+    assert launch_updates(JobConfig(), ["cpu", "cuda:0"]).updates == "async"
+    assert rule(schedule="together") == "async"
+    assert rule(processes_per_device=2) == "async"
+    assert rule(mode="allreduce") == "async"
+
+
+def test_compare_runs_both_rules_by_default_where_ticktock_is_wave_turns():
+    cpu = default_modes(JobConfig(), ["cpu"], budget=False)
+    assert "ticktock" in cpu and "ticktock-async" in cpu and "ticktock-turns" not in cpu
+    assert default_modes(JobConfig(), ["cpu"], budget=True)[:3] == [
+        "ticktock",
+        "bsp",
+        "ticktock-async",
+    ]
+    gpu = default_modes(JobConfig(), ["cuda:0"], budget=False)
+    assert gpu == DEFAULT_MODES and "ticktock-turns" in gpu
+    bounded = default_modes(JobConfig(staleness=4), ["cpu"], budget=False)
+    assert bounded == DEFAULT_MODES
