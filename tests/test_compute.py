@@ -2,6 +2,7 @@
 results and errors come back to the caller, nothing waits forever once serving ends, and the
 process keeps one pool of torch threads; under wave turns a worker computes on all its cores."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from conftest import CHILD_ENV
 from wavelet.common.config import JobConfig
 from wavelet.common.datasets import build_dataset
 from wavelet.worker.compute import ComputeStopped, InlineCompute, SharedCompute
-from wavelet.worker.threads import computes_one_at_a_time, probe_threads
+from wavelet.worker.threads import goes_wide, probe_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from bench_compute import SETTINGS  # noqa: E402
@@ -152,13 +153,20 @@ def test_the_benchmark_runs_every_setting(tmp_path):
     assert rows[0].endswith("| 1.00x |")
 
 
-def test_wave_turns_compute_on_every_core_without_a_probe():
-    """Under wave turns one wave computes at a time: the worker goes wide on its cores whatever
-    a probe would say (a busy moment once misled one into one thread per wave, half the cores
-    idle); other rules still probe the job's model."""
-    turns = probe_threads(JobConfig(updates="wave-turns"), "cpu", 2, dataset=None)  # no probe
-    assert (turns.threads, turns.layout) == (2, "wide") and computes_one_at_a_time("cpu", turns)
-    assert "wave turns" in turns.describe()
+def test_under_wave_turns_any_step_faster_wide_goes_wide_and_a_busy_machine_stays_narrow():
+    """Under wave turns no two waves' steps overlap, so a short step that runs faster on every
+    core goes wide (other rules keep short steps narrow: their waves' steps overlap); where
+    another job keeps the cores busy, wide steps run slower, and the worker stays narrow (two
+    default jobs side by side that went wide regardless trained 33x slower)."""
+    assert goes_wide(0.0029, 0.0016, overlap=False)
+    assert not goes_wide(0.0029, 0.0016, overlap=True)  # digits: its waves' steps overlap
+    assert goes_wide(0.098, 0.061, overlap=True)  # the narrow ResNet: long and faster wide
+    assert not goes_wide(0.007, 0.31, overlap=False)  # measured beside another job
+    assert not goes_wide(0.098, 0.090, overlap=False)  # too little gain for twice the threads
     job = JobConfig(batch_size=8)
-    probed = probe_threads(job, "cpu", 2, build_dataset(job.dataset, job.seed))
-    assert probed.narrow_s > 0 and probed.wide_s > 0
+    dataset = build_dataset(job.dataset, job.seed)
+    turns = probe_threads(dataclasses.replace(job, updates="wave-turns"), "cpu", 2, dataset)
+    assert turns.narrow_s > 0 and turns.wide_s > 0 and "wave turns" in turns.describe()
+    assert turns.layout == ("wide" if goes_wide(turns.narrow_s, turns.wide_s, False) else "narrow")
+    probed = probe_threads(job, "cpu", 2, dataset)
+    assert probed.narrow_s > 0 and probed.wide_s > 0 and not probed.reason
