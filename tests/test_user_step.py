@@ -3,6 +3,7 @@ its logs reach the records, and a step that returns no loss ends the job with on
 it (before start, exit 2, when it cannot even be imported)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from helpers import tiny_model
 from wavelet.common.step import StepError, TrainingStep
 
 STEPS = """
+import itertools
+
 import torch.nn.functional as F
 
 
@@ -26,6 +29,17 @@ def smooth(model, batch):
 def per_sample(model, batch):
     x, y = batch
     return F.cross_entropy(model(x), y, reduction="none")
+
+
+_calls = itertools.count()  # of this process: one worker's waves share it
+
+
+def fails_once(model, batch):
+    # the tenth step of the worker fails, in whichever wave takes it
+    if next(_calls) == 10:
+        raise RuntimeError("this step fails once")
+    x, y = batch
+    return F.cross_entropy(model(x), y)
 """
 
 
@@ -69,6 +83,27 @@ def test_a_step_that_returns_no_loss_stops_the_job_with_one_line(project):
     )  # fmt: skip
     assert done.returncode == 1, done.stderr[-3000:]
     assert "step mysteps:per_sample returned a tensor of shape (32,), not a scalar" in done.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_wave_whose_step_fails_leaves_the_shards_and_the_other_trains_to_the_end(project):
+    """The failed wave leaves at once, so the wave it would hold back (wave turns, the default on
+    a CPU; or the staleness bound) goes on now, not after wave_timeout_s (an hour here)."""
+    done = run_wavelet(
+        "launch", "--step", "mysteps:fails_once", "--epochs", "2", "--threads", "1",
+        "--set", "wave_timeout_s=3600", "--run-dir", "run", timeout=170, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    failed = re.findall(r"wave (w0/\d) failed: this step fails once", done.stderr)
+    assert len(failed) == 1, done.stderr[-3000:]
+    log = (project / "run" / "logs" / "ps-0.log").read_text()
+    left = dict(re.findall(r"wave (w0/\d) left at clock (\d+)", log))
+    assert set(left) == {"w0/0", "w0/1"} and "silent for over" not in log, log[-3000:]
+    (other,) = set(left) - set(failed)
+    assert int(left[failed[0]]) < int(left[other])  # the other one trained on to its end
+    records = project / "run" / "records" / f"worker-0-wave-{other[-1]}.jsonl"
+    steps = [json.loads(line) for line in records.read_text().splitlines()]
+    assert max(r["epoch"] for r in steps if r["kind"] == "step") == 1  # both epochs
 
 
 def test_a_step_that_cannot_be_imported_is_refused_before_start(project):

@@ -169,6 +169,7 @@ compress_gradients(ddp, wire_dtype)
 ddp(torch.full((1, 64), 1.0 + rank / 3.0)).sum().backward()  # gradients 1 and 4/3
 if rank == 0:
     torch.save(model.weight.grad.clone(), out)
+dist.barrier()  # neither rank tears its pairs down while the other still uses them
 dist.destroy_process_group()
 """
 

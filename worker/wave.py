@@ -154,10 +154,18 @@ class Wave:
             last = self._run_epochs(model, meter, client, part, steps)
             if not self.stop.is_set():
                 _settle(last)  # the model ends on the last weights
-                client.leave()  # only after success: a failed wave must not wait on shards again
+                client.leave()
                 self.baton.leave(ident.local)  # the other waves go on while this one tests
                 # the copies taken during training (eval_every_s)
                 self.tests.test_copies(model, self.records.write, self.stop)
+        except ShardError:
+            raise  # the shards do not answer: leaving would wait on them again
+        except Exception:
+            # the wave itself failed (its data, its step): it leaves, so that the waves it would
+            # hold back (wave turns, the staleness bound) go on now, not after wave_timeout_s
+            if not self.stop.is_set():
+                _leave_quietly(client, ident.name)
+            raise
         finally:
             self.baton.leave(ident.local)
             if self.pusher is not None:
@@ -348,6 +356,13 @@ class Wave:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter() - began
+
+
+def _leave_quietly(client: PSClient, name: str) -> None:
+    try:
+        client.leave()
+    except Exception as e:  # the wave's own failure is what the daemon reports
+        log.warning("wave %s failed and could not leave the shards: %s", name, e)
 
 
 def _settle(pulled: PullResult | PendingPull) -> None:
