@@ -179,6 +179,8 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     assert stopped_at - 50 <= first_resumed <= stopped_at + 2, (first_resumed, stopped_at)
     assert max(r["clock"] for r in rows if r["kind"] == "step") == 15 * 22 - 1
     assert json.loads((run_dir / "summary.json").read_text())["test_accuracy"] >= 0.97
+    # wave turns resume with the group whose turn it was: no baton waits for the other one
+    assert "stalled" not in (run_dir / "logs" / "worker-0.log").read_text()
     _assert_nothing_left(run_dir)
 
 

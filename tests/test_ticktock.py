@@ -67,6 +67,16 @@ def test_baton_alternates_and_skips_a_wave_that_left():
     assert order == [0, 1, 0, 0]
 
 
+def test_a_baton_with_no_first_turn_gives_it_to_the_first_wave_that_asks():
+    # wave turns: the shards decide who steps first (a resumed job: whose turn it was)
+    baton = ForwardBaton(2, timeout_s=3600, first=None)
+    order = []
+    _turn(baton, 1, order)  # tock first, without waiting out tick's turn
+    _turn(baton, 0, order)
+    _turn(baton, 1, order)
+    assert order == [1, 0, 1]
+
+
 def test_baton_makes_a_wave_wait_for_its_turn():
     baton = ForwardBaton(2, timeout_s=3600)
     _turn(baton, 0, [])

@@ -6,7 +6,9 @@ its backward, once all but ``baton_handoff`` (0.3) of its forward's saved activa
 (worker/wave.py), or at the end of its forward with ``baton_handoff = 1.0``, as in the paper.
 Turns go tick, tock, tick, ... so tock's first forward starts half a cycle after tick's: that is
 the offset. Forwards never overlap. A wave whose turn it is but which does not come for
-``timeout_s`` (dead or stalled) loses its turn, and the others go on without it.
+``timeout_s`` (dead or stalled) loses its turn, and the others go on without it. Under wave turns
+the shards decide which wave steps first (a resumed job goes on with the group whose turn it
+was): there the first wave to ask takes the first turn (``first=None``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ log = logging.getLogger(__name__)
 
 
 class ForwardBaton:
-    def __init__(self, waves: int, timeout_s: float = 30.0):
+    def __init__(self, waves: int, timeout_s: float = 30.0, first: int | None = 0):
         self._cond = threading.Condition()
         self._order = list(range(waves))
         self._active = set(self._order)
-        self._turn = 0
+        self._turn: int | None = first  # None: whoever asks first
         self._holder: int | None = None
         self.timeout_s = timeout_s
 
@@ -31,7 +33,7 @@ class ForwardBaton:
         """Block until it is ``wave``'s turn and no forward runs; returns the seconds waited."""
         start = time.monotonic()
         with self._cond:
-            while not (self._holder is None and self._turn == wave):
+            while not (self._holder is None and self._turn in (None, wave)):
                 waited = time.monotonic() - start
                 if self._holder is None and waited >= self.timeout_s:
                     log.warning(

@@ -74,7 +74,9 @@ class WorkerDaemon:
         compute = SharedCompute(choice.threads) if shared else InlineCompute()
         cap_cuda_memory(device, cfg.cuda_memory_gib)
         if cfg.schedule == "ticktock":
-            baton = ForwardBaton(job.waves, job.baton_timeout_s)
+            # under wave turns the shards say which wave steps first
+            first = None if job.updates == "wave-turns" else 0
+            baton = ForwardBaton(job.waves, job.baton_timeout_s, first)
         else:
             baton = NoBaton()
         metrics, endpoint = serve_worker_metrics(cfg, cfg.rank)
