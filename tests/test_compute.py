@@ -1,6 +1,6 @@
 """The waves' computation on one thread (worker/compute.py): calls run on the serving thread,
 results and errors come back to the caller, nothing waits forever once serving ends, and the
-process keeps one pool of torch threads; under wave turns a worker computes on all its cores."""
+process keeps one pool of torch threads; under wave turns any step faster on all cores goes wide."""
 
 import dataclasses
 import json
@@ -166,7 +166,8 @@ def test_under_wave_turns_any_step_faster_wide_goes_wide_and_a_busy_machine_stay
     job = JobConfig(batch_size=8)
     dataset = build_dataset(job.dataset, job.seed)
     turns = probe_threads(dataclasses.replace(job, updates="wave-turns"), "cpu", 2, dataset)
-    assert turns.narrow_s > 0 and turns.wide_s > 0 and "wave turns" in turns.describe()
+    assert turns.narrow_s > 0 and turns.wide_s > 0
+    assert "wave turns" in turns.describe() and "ms wide" in turns.describe()
     assert turns.layout == ("wide" if goes_wide(turns.narrow_s, turns.wide_s, False) else "narrow")
     probed = probe_threads(job, "cpu", 2, dataset)
     assert probed.narrow_s > 0 and probed.wide_s > 0 and not probed.reason

@@ -47,13 +47,14 @@ class ThreadChoice:
     def describe(self) -> str:
         if self.layout == "fixed":
             return f"{self.threads} torch thread(s), as asked (--threads)"
-        if self.reason:
-            return f"{self.threads} torch thread(s), {self.layout} layout ({self.reason})"
-        if not self.narrow_s:
-            return f"{self.threads} torch thread(s), {self.layout} layout"
-        return (
-            f"{self.threads} torch thread(s), {self.layout} layout (probe: one step took "
-            f"{1000 * self.narrow_s:.1f} ms narrow, {1000 * self.wide_s:.1f} ms wide)"
+        why = [self.reason] if self.reason else []
+        if self.narrow_s:
+            why.append(
+                f"probe: one step took {1000 * self.narrow_s:.1f} ms narrow, "
+                f"{1000 * self.wide_s:.1f} ms wide"
+            )
+        return f"{self.threads} torch thread(s), {self.layout} layout" + (
+            f" ({'; '.join(why)})" if why else ""
         )
 
 
