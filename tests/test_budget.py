@@ -79,7 +79,7 @@ def test_one_comparison_probes_each_layout_once():
     job = JobConfig()
     plan = plan_budget(job, parse_budget("1.3x"), "cpu", "linear")
     layouts: dict = {}
-    # asynchronous modes: wave turns (ticktock's rule on a CPU) take every core without a probe
+    # two asynchronous modes (ticktock on a CPU is wave turns, whose probe rule differs)
     ticktock = MODES["ticktock-async"]
     _, _, _, async_threads = mode_job(ticktock, job, ["cpu"], plan, layouts=layouts)
     _, _, _, bsp = mode_job(MODES["bsp"], job, ["cpu"], plan, layouts=layouts)
