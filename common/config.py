@@ -452,6 +452,14 @@ class JobConfig:
                 "waves: drop --staleness 0 (wave groups use no staleness bound: their turn "
                 "order is the bound), or use updates = async with staleness 0"
             )
+        if self.updates in GROUPED_UPDATES:
+            unused = _async_only_settings(self)
+            if unused:
+                raise ConfigError(
+                    f"updates = {self.updates} has no staleness bound and no stale policy (its "
+                    f"turn order fixes each update's delay), so {' and '.join(unused)} would do "
+                    "nothing: drop it, or use --updates async to bound asynchronous waves"
+                )
 
     @property
     def chunk_bytes(self) -> int:
@@ -480,15 +488,22 @@ def concrete_updates(job: JobConfig, cpu_workers: bool, ticktock: bool = True) -
     update is fresh; a GPU's waves overlap, which turns would give up."""
     if job.updates != "auto":
         return job
-    defaults = {f.name: _default_of(f) for f in dataclasses.fields(JobConfig)}
-    turns = (
-        cpu_workers
-        and ticktock
-        and job.waves >= 2
-        and job.staleness == defaults["staleness"]
-        and job.stale_policy == defaults["stale_policy"]
-    )
+    turns = cpu_workers and ticktock and job.waves >= 2 and not _async_only_settings(job)
     return dataclasses.replace(job, updates="wave-turns" if turns else "async")
+
+
+ASYNC_ONLY_SETTINGS = ("staleness", "stale_policy")  # what grouped updates have no use for
+
+
+def _async_only_settings(job: JobConfig) -> list[str]:
+    """``staleness = 2``-style descriptions of the settings of ``job`` that only asynchronous
+    updates use and that differ from their defaults."""
+    fields = {f.name: f for f in dataclasses.fields(JobConfig)}
+    return [
+        f"{name} = {getattr(job, name)}"
+        for name in ASYNC_ONLY_SETTINGS
+        if getattr(job, name) != _default_of(fields[name])
+    ]
 
 
 @dataclass

@@ -16,7 +16,13 @@ import json
 import traceback
 from pathlib import Path
 
-from wavelet.common.config import GROUPED_UPDATES, JobConfig, LaunchConfig, launch_updates
+from wavelet.common.config import (
+    ASYNC_ONLY_SETTINGS,
+    GROUPED_UPDATES,
+    JobConfig,
+    LaunchConfig,
+    launch_updates,
+)
 from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
 from wavelet.common.machine import usable_cores
@@ -113,7 +119,7 @@ MODES: dict[str, Mode] = {
     "bsp": Mode(
         "PS, 2 waves tick-tock, bulk-synchronous (s = 0)",
         {"schedule": "ticktock"},
-        {"waves": 2, "staleness": 0},
+        {"waves": 2, "staleness": 0, "updates": "async"},
         None,
     ),
     "allreduce": Mode(
@@ -233,7 +239,7 @@ def mode_job(
     the run is given (0: the worker probes). Returns (job, batch, peak, threads), the last the
     threads the budget assumed, which the run must keep (0: any). ``layouts`` keeps the thread
     probes of one comparison, so modes with the same model, batch and cores probe once."""
-    run_job = _concrete(mode, dataclasses.replace(job, **mode.job), devices)
+    run_job = _concrete(mode, _with_mode_settings(job, mode), devices)
     if plan is None:
         return run_job, 0, 0, 0
     device = devices[0]
@@ -253,6 +259,16 @@ def mode_job(
     optimizer = dataclasses.replace(run_job.optimizer, lr=lr)
     run_job = dataclasses.replace(run_job, batch_size=batch, waves=waves, optimizer=optimizer)
     return run_job, batch, peak, layout.threads if layout is not None else 0
+
+
+def _with_mode_settings(job: JobConfig, mode: Mode) -> JobConfig:
+    """``job`` with ``mode``'s own settings; a mode of grouped updates leaves out the job's
+    staleness bound and stale policy, which only the asynchronous modes use."""
+    settings = dict(mode.job)
+    if settings.get("updates", job.updates) in GROUPED_UPDATES:
+        defaults = JobConfig()
+        settings.update({name: getattr(defaults, name) for name in ASYNC_ONLY_SETTINGS})
+    return dataclasses.replace(job, **settings)
 
 
 def _concrete(mode: Mode, job: JobConfig, devices: list[str]) -> JobConfig:

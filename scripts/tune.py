@@ -94,13 +94,14 @@ def settings_for(
     so it runs once), and each grouped rule once (their turn order is their bound, and they
     apply a group's mean without a policy)."""
     out = []
+    defaults = JobConfig()  # what a grouped rule leaves unused
     if "async" in updates:
         for b in bounds:
             for p in [policies[0]] if b == 0 else policies:
                 out.append(Setting(b, p))
     for rule in GROUPED_UPDATES:
         if rule in updates:
-            out.append(Setting(1, "apply", rule))
+            out.append(Setting(defaults.staleness, defaults.stale_policy, rule))
     return out
 
 

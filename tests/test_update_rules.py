@@ -16,7 +16,8 @@ from wavelet.common.config import (
 )
 from wavelet.common.protocol import Op, encode
 from wavelet.ps.update_rules import corrected_momentum, update_lr_factor
-from wavelet.scripts.compare import DEFAULT_MODES, default_modes
+from wavelet.scripts.compare import DEFAULT_MODES, MODES, default_modes, mode_job
+from wavelet.scripts.tune import settings_for
 
 LR = 0.1
 
@@ -155,6 +156,42 @@ def test_a_group_waits_its_turn(tmp_path):
 def test_wave_groups_need_a_staleness_bound_of_at_least_one():
     with pytest.raises(ConfigError, match="staleness 0 asks for one bulk-synchronous update"):
         JobConfig(updates="wave-groups", staleness=0)
+
+
+@pytest.mark.parametrize("rule", ["wave-groups", "wave-turns"])
+@pytest.mark.parametrize(
+    "unused, named",
+    [
+        ({"staleness": 2}, "staleness = 2"),
+        ({"staleness": float("inf")}, "staleness = inf"),
+        ({"stale_policy": "apply"}, "stale_policy = apply"),
+    ],
+)
+def test_grouped_updates_refuse_a_bound_or_policy_they_would_ignore(rule, unused, named):
+    with pytest.raises(ConfigError, match=f"so {named} would do nothing.*--updates async"):
+        JobConfig(updates=rule, **unused)
+
+
+def test_compare_modes_keep_their_own_rule_whatever_the_jobs():
+    def run(mode, **job):
+        return mode_job(MODES[mode], JobConfig(**job), ["cpu"], None)[0]
+
+    # bsp is bulk-synchronous under a job that asks for wave turns (it was refused)
+    bsp = run("bsp", updates="wave-turns")
+    assert (bsp.updates, bsp.staleness) == ("async", 0)
+    # a job's bound is for the asynchronous modes; the grouped ones run without it
+    turns = run("ticktock-turns", staleness=3, stale_policy="drop")
+    assert (turns.updates, turns.staleness, turns.stale_policy) == ("wave-turns", 1, "scale")
+    bounded = run("ticktock-async", staleness=3, stale_policy="drop")
+    assert (bounded.staleness, bounded.stale_policy) == (3, "drop")
+    assert run("ticktock", staleness=3).updates == "async"  # auto with a bound of the user's
+
+
+def test_tune_runs_a_grouped_rule_once_with_nothing_it_ignores():
+    settings = settings_for([0, 1], ["apply", "scale"], ("async", "wave-turns"))
+    assert [s.name for s in settings] == ["s=0 apply", "s=1 apply", "s=1 scale", "wave-turns"]
+    turns = settings[-1]
+    JobConfig(updates=turns.updates, staleness=turns.bound, stale_policy=turns.policy)
 
 
 @pytest.mark.parametrize("rule,factor", [("full", 1.0), ("by-samples", 0.25)])
