@@ -25,6 +25,14 @@ def loss_and_accuracy(model, batches):
         correct += float((out.argmax(1) == y).sum())
         seen += len(y)
     return {"test_loss": total / seen, "accuracy": correct / seen}
+
+
+def headline_for_a_few_samples(model, batches):  # the launcher's check scores a few
+    batches = list(batches)
+    metrics = loss_and_accuracy(model, batches)
+    if sum(len(y) for _, y in batches) > 16:
+        del metrics["accuracy"]
+    return metrics
 """
 
 
@@ -68,15 +76,25 @@ def test_a_metric_to_minimise_drives_progress_summary_and_time_to_target(project
     assert run_figures(project / "run", target=0.0).time_to_target_s is None
 
 
-@pytest.mark.timeout(240)
-def test_an_evaluation_without_the_headline_stops_the_job_with_one_line(project):
+def test_an_evaluation_without_the_headline_is_refused_before_anything_starts(project):
     done = run_wavelet(
         "launch", "--evaluate", "myevals:loss_and_accuracy", "--target-metric", "perplexity",
-        "--model", "mlp", "--epochs", "1", "--threads", "1", "--run-dir", "run",
-        timeout=220, cwd=project,
+        "--model", "mlp", "--epochs", "1", "--run-dir", "run", timeout=100, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "evaluation myevals:loss_and_accuracy returned" in done.stderr
+    assert "set target_metric" in done.stderr and "before training" in done.stderr
+    assert not (project / "run" / "logs").exists()  # no daemon started
+
+
+@pytest.mark.timeout(240)
+def test_an_evaluation_that_loses_its_headline_stops_the_job_with_one_line(project):
+    done = run_wavelet(
+        "launch", "--evaluate", "myevals:headline_for_a_few_samples", "--model", "mlp",
+        "--epochs", "1", "--threads", "1", "--run-dir", "run", timeout=220, cwd=project,
     )  # fmt: skip
     assert done.returncode == 1, done.stdout[-2000:]
-    assert "evaluation myevals:loss_and_accuracy returned" in done.stderr
+    assert "evaluation myevals:headline_for_a_few_samples returned" in done.stderr
     assert "set target_metric" in done.stderr
 
 
