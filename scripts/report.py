@@ -217,6 +217,8 @@ class Progress:
             self.score = r.get("score", r.get("test_acc"))
         elif r["kind"] == "final":
             self.final_metrics = _metrics_of(r)
+        elif r["kind"] == "failed":  # the line's loss is the waves' still training
+            self.loss.pop(wave, None)
 
     def shared_memory_note(self) -> str:
         """Once, the first time waves fell back to TCP on a full shared-memory folder: one line

@@ -12,6 +12,7 @@ from conftest import run_wavelet
 from helpers import tiny_model
 
 from wavelet.common.step import StepError, TrainingStep
+from wavelet.scripts.report import Progress
 
 STEPS = """
 import itertools
@@ -104,6 +105,13 @@ def test_a_wave_whose_step_fails_leaves_the_shards_and_the_other_trains_to_the_e
     records = project / "run" / "records" / f"worker-0-wave-{other[-1]}.jsonl"
     steps = [json.loads(line) for line in records.read_text().splitlines()]
     assert max(r["epoch"] for r in steps if r["kind"] == "step") == 1  # both epochs
+    # the failed wave says so in its records, and the progress line stops counting its loss
+    mine = project / "run" / "records" / f"worker-0-wave-{failed[0][-1]}.jsonl"
+    last = json.loads(mine.read_text().splitlines()[-1])
+    assert last["kind"] == "failed" and last["error"] == "RuntimeError: this step fails once"
+    progress = Progress(project / "run", epochs=2)
+    progress.read()
+    assert set(progress.loss) == {other}
 
 
 def test_a_step_that_cannot_be_imported_is_refused_before_start(project):

@@ -104,6 +104,8 @@ class Wave:
         except BaseException as e:
             self.error = e
             log.exception("wave %s failed", self.ident.name)
+            # the progress line and reports stop counting this wave's last loss as current
+            self.records.write({"kind": "failed", "t": time.time(), "error": _one_line(e)})
         finally:
             self.baton.leave(self.ident.local)
             self.records.close()
@@ -356,6 +358,11 @@ class Wave:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter() - began
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text.splitlines()[0] if text.strip() else type(e).__name__
 
 
 def _leave_quietly(client: PSClient, name: str) -> None:
