@@ -31,7 +31,7 @@ def test_the_regression_example_learns(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_language_model_example_learns_in_every_kind_of_mode(tmp_path):
     out = tmp_path / "cmp"
-    modes = ["ticktock", "single", "allreduce"]
+    modes = ["ticktock", "allreduce"]  # the parameter server's waves, and all-reduce
     done = run_wavelet(
         "compare", "--dataset", "examples.tiny_lm:dataset", "--model", "examples.tiny_lm:model",
         "--step", "examples.tiny_lm:next_token_step", "--evaluate", "examples.tiny_lm:perplexity",

@@ -150,7 +150,7 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     cm = started(
         wavelet_cmd(
-            "launch", "--run-dir", str(run_dir), "--epochs", "15", "--checkpoint-every", "50"
+            "launch", "--run-dir", str(run_dir), "--epochs", "10", "--checkpoint-every", "50"
         ),
         tmp_path / "first.log",
     )
@@ -158,7 +158,7 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     try:
         records = run_dir / "records" / "worker-0-wave-0.jsonl"
         wait_for(
-            lambda: records.exists() and records.stat().st_size > 150_000,
+            lambda: records.exists() and records.stat().st_size > 80_000,  # about 80 of 220 steps
             90,
             "training did not start",
         )
@@ -177,8 +177,8 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
     # (+2: a wave may have pushed its last step, and the shard counted it, without having
     # written that step's record when it was stopped)
     assert stopped_at - 50 <= first_resumed <= stopped_at + 2, (first_resumed, stopped_at)
-    assert max(r["clock"] for r in rows if r["kind"] == "step") == 15 * 22 - 1
-    assert json.loads((run_dir / "summary.json").read_text())["test_accuracy"] >= 0.97
+    assert max(r["clock"] for r in rows if r["kind"] == "step") == 10 * 22 - 1
+    assert json.loads((run_dir / "summary.json").read_text())["test_accuracy"] >= 0.95
     # wave turns resume with the group whose turn it was: no baton waits for the other one
     assert "stalled" not in (run_dir / "logs" / "worker-0.log").read_text()
     _assert_nothing_left(run_dir)
@@ -219,7 +219,7 @@ def test_progress_shows_a_dash_until_there_is_a_number(tmp_path):
 @pytest.mark.timeout(240)
 def test_launch_restarts_a_killed_shard_and_the_job_finishes(tmp_path):
     cm, proc, run_dir = _start_launcher(
-        tmp_path, "--epochs", "20", "--checkpoint-every", "60", "--max-restarts", "1"
+        tmp_path, "--epochs", "12", "--checkpoint-every", "60", "--max-restarts", "1"
     )
     try:
         wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
@@ -230,7 +230,7 @@ def test_launch_restarts_a_killed_shard_and_the_job_finishes(tmp_path):
     log = (tmp_path / "launch.log").read_text()
     assert "ps-0 exited with status -9: restarting it (1/1 restarts)" in log
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["test_accuracy"] >= 0.97, summary
+    assert summary["test_accuracy"] >= 0.95, summary
     assert summary["lost_updates"] > 0  # what the shard applied after its checkpoint
     assert "restored version" in (run_dir / "logs" / "ps-0.log").read_text()
     _assert_nothing_left(run_dir)
