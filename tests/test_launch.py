@@ -187,7 +187,7 @@ def test_stopped_job_resumes_from_its_checkpoints(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp_path):
-    cm, proc, run_dir = _start_launcher(tmp_path, "--epochs", "15", "--checkpoint-every", "60")
+    cm, proc, run_dir = _start_launcher(tmp_path, "--epochs", "10", "--checkpoint-every", "60")
     try:
         wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
         os.kill(_one_process(run_dir, _shard_marker(run_dir, 0)), signal.SIGKILL)
