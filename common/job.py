@@ -64,9 +64,8 @@ def _check_headline(evaluation: Evaluation, model: torch.nn.Module, dataset, bat
     job's headline metric stops the job now rather than at its first test, after an epoch or
     (with eval_every_s) after all of training. Anything else it raises is left to the real
     test, which sees every batch."""
-    batch = dataset.sample_batch(min(batch_size, 16))
     try:
-        evaluation(model, [batch])
+        evaluation(model, [dataset.sample_batch(min(batch_size, 16))])
     except EvaluateError as e:
         raise ConfigError(f"{e} (found by scoring one batch before training)") from None
     except Exception:  # a test of one batch may fail where the whole set does not
