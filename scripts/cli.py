@@ -548,7 +548,11 @@ def _add_sweep_commands(sub) -> None:
     _add_sweep_flags(comp, "compare")
     comp.set_defaults(run=_cmd_compare)
 
-    tune = sub.add_parser("tune", help="sweep staleness bounds and policies on one job")
+    tune = sub.add_parser(
+        "tune",
+        help="sweep update rules, staleness bounds and policies on one job, ranked by time to "
+        "target",
+    )
     _add_job_flags(tune)
     tune.add_argument(
         "--bounds", default="0,1,2,4,8,inf", help="staleness bounds to try (default 0,1,2,4,8,inf)"
