@@ -1,12 +1,32 @@
-"""Run records: JSON lines written as training goes, read back by the launcher and reports."""
+"""Run records: JSON lines written as training goes, read back by the launcher and reports; and
+the run dirs that hold them."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+def new_run_dir(kind: str = "", root: str | Path = "runs") -> Path:
+    """A new, empty run dir ``runs/[kind-]<date-time>``, made here for this run alone: runs
+    started in the same second (two terminals, a script) get ``-2``, ``-3``, ... instead of
+    sharing one."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"{kind}-{stamp}" if kind else stamp
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = Path(root) / (name if n == 1 else f"{name}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
 
 
 class RecordWriter:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from wavelet.common.config import ConfigError, JobConfig, LaunchConfig
+from wavelet.common.records import new_run_dir
 
 
 class JobFailed(RuntimeError):
@@ -45,7 +45,7 @@ def launch(job: JobConfig, *, quiet: bool = False, **settings: Any) -> dict:
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ConfigError(f"unknown launch setting {unknown[0]!r}; known: {sorted(known)}")
-    settings.setdefault("run_dir", f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    settings.setdefault("run_dir", str(new_run_dir()))
     config = LaunchConfig(job=job, **settings)
     from wavelet.scripts.launch import launch as launch_job
 
@@ -76,7 +76,7 @@ def compare(
     from wavelet.scripts.compare import compare as compare_modes
     from wavelet.scripts.compare import default_modes, plan_budget
 
-    out = Path(out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(out) if out else new_run_dir("compare")
     plan = None
     if memory_budget:
         plan = plan_budget(job, parse_budget(memory_budget), devices[0], lr_scaling)

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import sys
-import time
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ from wavelet.common.config import (
     load_toml,
     parse_override,
 )
+from wavelet.common.records import new_run_dir
 from wavelet.scripts.signals import interrupt_on_sigint, on_signals
 
 log = logging.getLogger(__name__)
@@ -277,13 +277,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         verdict,
     )
 
-    out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     job = job_from_args(args)
     plan = None
     if args.memory_budget:
         plan = plan_budget(job, parse_budget(args.memory_budget), args.devices[0], args.lr_scaling)
     default = default_modes(job, args.devices, plan is not None)
     modes = [m.strip() for m in (args.modes or ",".join(default)).split(",") if m.strip()]
+    out = Path(args.out) if args.out else new_run_dir("compare")
     try:
         results = compare(
             job,
@@ -319,7 +319,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     )
     for d in args.devices:
         check_device(d)
-    out = Path(args.out or f"runs/tune-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out) if args.out else new_run_dir("tune")
     results = tune(job, args.devices, settings, out, args.target_acc)
     print(format_table(results, args.target_acc))
     print(format_recommendation(results))

@@ -27,6 +27,7 @@ from wavelet.common.config import (
 from wavelet.common.job import check_job
 from wavelet.common.machine import usable_cores
 from wavelet.common.protocol import ShardError
+from wavelet.common.records import new_run_dir
 from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
 from wavelet.scripts.report import Progress, format_summary, summarize
 from wavelet.scripts.supervisor import Child, ChildDidNotStart, ChildFailed, Job
@@ -113,7 +114,7 @@ def _job_per_process(config: LaunchConfig) -> JobConfig:
 
 def _prepare_run_dir(config: LaunchConfig, job: JobConfig) -> Path:
     """The run dir, refused if it holds another run; a new run's job.json and launch.json."""
-    run_dir = Path(config.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(config.run_dir) if config.run_dir else new_run_dir()
     if config.resume:
         if not (run_dir / "checkpoints").is_dir():
             raise ConfigError(f"{run_dir} holds no checkpoints to resume from")

@@ -4,13 +4,15 @@ dies, SIGTERM to each daemon; nothing is left running afterwards."""
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from conftest import between_checkpoints, kill_tree, run_wavelet, started, wait_for, wavelet_cmd
 
 from wavelet.common import shm
-from wavelet.common.records import last_record, read_records
+from wavelet.common.records import last_record, new_run_dir, read_records
 from wavelet.ps.checkpoints import read_checkpoint
 from wavelet.scripts.report import Progress
 
@@ -208,6 +210,23 @@ def test_a_killed_shard_stops_the_job_which_resumes_and_reports_lost_updates(tmp
     assert summary["lost_updates"] == logged - kept
     assert f"lost {logged - kept} update(s)" in done.stdout
     _assert_nothing_left(run_dir)
+
+
+def test_runs_started_in_the_same_second_get_run_dirs_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261202-101342")  # one second for all
+    made: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: made.append(new_run_dir(root=tmp_path))) for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(p.name for p in made) == sorted(
+        ["20261202-101342"] + [f"20261202-101342-{n}" for n in range(2, 9)]
+    )
+    assert all(p.is_dir() and not any(p.iterdir()) for p in made)
+    assert new_run_dir("compare", root=tmp_path).name == "compare-20261202-101342"
 
 
 def test_progress_shows_a_dash_until_there_is_a_number(tmp_path):
