@@ -37,7 +37,7 @@ from wavelet.common.config import (
     parse_override,
 )
 from wavelet.common.records import new_run_dir
-from wavelet.scripts.signals import interrupt_on_sigint, on_signals
+from wavelet.scripts.signals import INTERRUPTED, interrupt_on_sigint, on_signals
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +299,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     print("\n".join(verdict(results, args.target_acc, plan)))
     print(format_table(results, args.target_acc, plan))
     print(f"report: {out / 'report.md'}")
+    if any(r.interrupted for r in results):
+        return INTERRUPTED
     return 0 if all(r.ok for r in results) else 1
 
 
@@ -324,6 +326,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print(format_table(results, args.target_acc))
     print(format_recommendation(results))
     print(f"report: {out / 'report.md'}")
+    if any(r.interrupted for r in results):
+        return INTERRUPTED
     return 0 if all(r.figures for r in results) else 1
 
 

@@ -35,6 +35,7 @@ from wavelet.scripts.budget import (
 )
 from wavelet.scripts.launch import launch, threads_per_process
 from wavelet.scripts.plots import accuracy_vs_time, memory_timelines
+from wavelet.scripts.signals import INTERRUPTED
 from wavelet.worker.threads import ThreadChoice, computes_one_at_a_time, probe_threads
 
 
@@ -207,6 +208,7 @@ class ModeResult:
     batch: int = 0  # per task (wave or rank), when a memory budget chose it
     predicted_peak: int = 0  # the device peak the budget search measured at that batch
     lr: float = 0.0
+    interrupted: bool = False  # Ctrl-C stopped it, and the comparison with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +358,8 @@ def compare(
                 **launch_settings,
             )
             code = launch(config, quiet=True)
+            if code == INTERRUPTED:
+                raise KeyboardInterrupt
             if code != 0:
                 results.append(
                     ModeResult(
@@ -378,6 +382,11 @@ def compare(
                 )
             )
             print(f"   {results[-1].figures.one_line()}", flush=True)
+        except KeyboardInterrupt:  # Ctrl-C stops the comparison, not only this mode
+            why = "interrupted (Ctrl-C); the modes after it did not run"
+            results.append(ModeResult(name, False, error=why, batch=batch, interrupted=True))
+            print(f"   {why}", flush=True)
+            break
         except BudgetError as e:
             results.append(ModeResult(name, False, error=str(e)))
         except Exception as e:  # one broken mode must not lose the others' results

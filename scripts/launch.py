@@ -30,6 +30,7 @@ from wavelet.common.protocol import ShardError
 from wavelet.common.records import new_run_dir
 from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
 from wavelet.scripts.report import Progress, format_summary, summarize
+from wavelet.scripts.signals import INTERRUPTED
 from wavelet.scripts.supervisor import Child, ChildDidNotStart, ChildFailed, Job
 from wavelet.scripts.tensorboard_log import RunBoard
 
@@ -43,7 +44,7 @@ FP16_ON_CPU = (
 
 
 def launch(config: LaunchConfig, quiet: bool = False) -> int:
-    """Run the job to the end; 0 on success, 1 if a child failed, 130 on Ctrl-C."""
+    """Run the job to the end; 0 on success, 1 if a child failed, ``INTERRUPTED`` on Ctrl-C."""
     config = dataclasses.replace(config, job=config.concrete_job())  # every process, one rule
     job_cfg = _job_per_process(config)
     tasks = len(config.devices) * config.processes_per_device * job_cfg.waves
@@ -89,7 +90,7 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the job", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except (ChildFailed, ShardError) as e:
         print(f"wavelet launch: {e}", file=sys.stderr)
         return 1

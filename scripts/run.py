@@ -36,6 +36,7 @@ from wavelet.common.config import (
     concrete_updates,
 )
 from wavelet.common.machine import interface_of, usable_cores
+from wavelet.scripts.signals import INTERRUPTED
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +354,7 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
         # torchrun stops the group (a process failed, or Ctrl-C): a shard may be gone, so no
         # test of the weights and no summary, which would wait on it; the checkpoints stay
         print("wavelet run: stopped before the end; no summary", file=sys.stderr, flush=True)
-        return 130
+        return INTERRUPTED
     publish_throughput(store, _key(role, "throughput/0"), Path(run_dir), 0)
     store.set(_key(role, "done/0"), str(code))
     done = [_key(role, f"done/{r}") for r in range(layout.workers)]

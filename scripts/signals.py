@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+INTERRUPTED = 130  # the exit status of a launch, compare or tune stopped by Ctrl-C (128 + SIGINT)
+
 
 def on_signals(stop: Callable[[], None]) -> None:
     def handler(signum, frame):

@@ -26,6 +26,7 @@ from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time
+from wavelet.scripts.signals import INTERRUPTED
 
 
 @dataclasses.dataclass
@@ -46,6 +47,7 @@ class SettingResult:
     setting: Setting
     figures: RunFigures | None = None
     error: str = ""
+    interrupted: bool = False  # Ctrl-C stopped it, and the sweep with it
 
 
 def parse_bounds(text: str) -> list[float]:
@@ -122,6 +124,8 @@ def tune(
                 updates=setting.updates,
             )
             code = launch(LaunchConfig(job=cfg, devices=devices, run_dir=str(run_dir)), quiet=True)
+            if code == INTERRUPTED:
+                raise KeyboardInterrupt
             if code != 0:
                 results.append(
                     SettingResult(setting, error=f"exited with {code}; see {run_dir}/logs")
@@ -129,6 +133,11 @@ def tune(
                 continue
             results.append(SettingResult(setting, run_figures(run_dir, target)))
             print(f"   {results[-1].figures.one_line()}", flush=True)
+        except KeyboardInterrupt:  # Ctrl-C stops the sweep, not only this setting
+            why = "interrupted (Ctrl-C); the settings after it did not run"
+            results.append(SettingResult(setting, error=why, interrupted=True))
+            print(f"   {why}", flush=True)
+            break
         except Exception as e:  # a failed setting is a row, not a lost sweep
             (out / f"{run_dir.name}.error.txt").write_text(traceback.format_exc())
             results.append(SettingResult(setting, error=f"{type(e).__name__}: {e}"))

@@ -1,10 +1,12 @@
 """All-reduce mode, ``wavelet compare`` and the memory arithmetic behind its report."""
 
 import json
+import signal
 
 import matplotlib.image
 import pytest
-from conftest import run_wavelet
+from conftest import run_wavelet, started, wait_for, wavelet_cmd
+from helpers import processes_mentioning
 
 from wavelet.common.figures import RunFigures, combined_timeline, peak, run_figures
 from wavelet.common.records import read_records
@@ -24,6 +26,24 @@ def test_combined_timeline_known_answer():
     assert peak(combined_timeline([tick, tock])) == 10
     assert peak(combined_timeline([tick, tick])) == 20
     assert combined_timeline([]) == []
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_whole_comparison_and_reports_what_ran(tmp_path):
+    out = tmp_path / "cmp"
+    modes = "ticktock,allreduce"
+    cmd = wavelet_cmd("compare", "--epochs", "500", "--modes", modes, "--out", str(out))
+    with started(cmd, tmp_path / "compare.log") as proc:
+        steps = out / "ticktock" / "records" / "worker-0-wave-0.jsonl"
+        wait_for(lambda: steps.exists() and steps.stat().st_size > 5000, 120, "no training")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, (tmp_path / "compare.log").read_text()[-3000:]
+    report = (out / "report.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| ticktock |"))
+    assert "interrupted (Ctrl-C)" in row
+    # the next mode never started, and nothing of the first is left running
+    assert not (out / "allreduce").exists() and "| allreduce |" not in report
+    wait_for(lambda: not processes_mentioning(str(out)), 15, "daemons left behind")
 
 
 @pytest.mark.slow

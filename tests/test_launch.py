@@ -10,24 +10,12 @@ from pathlib import Path
 
 import pytest
 from conftest import between_checkpoints, kill_tree, run_wavelet, started, wait_for, wavelet_cmd
+from helpers import processes_mentioning
 
 from wavelet.common import shm
 from wavelet.common.records import last_record, new_run_dir, read_records
 from wavelet.ps.checkpoints import read_checkpoint
 from wavelet.scripts.report import Progress
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(int(entry.name))
-    return found
 
 
 def _shard_marker(run_dir: Path, index: int) -> bytes:
@@ -40,7 +28,7 @@ def _one_process(run_dir: Path, marker: bytes) -> int:
     """The pid of the job's one process whose command line holds ``marker``."""
     found = [
         p
-        for p in _processes_mentioning(str(run_dir))
+        for p in processes_mentioning(str(run_dir))
         if marker in Path(f"/proc/{p}/cmdline").read_bytes()
     ]
     assert len(found) == 1, found
@@ -48,7 +36,7 @@ def _one_process(run_dir: Path, marker: bytes) -> int:
 
 
 def _assert_nothing_left(run_dir: Path):
-    wait_for(lambda: not _processes_mentioning(str(run_dir)), 15, "daemons left behind")
+    wait_for(lambda: not processes_mentioning(str(run_dir)), 15, "daemons left behind")
     left = list(shm.SHM_DIR.glob(shm.run_prefix(run_dir) + "*"))
     assert not left, f"shared-memory segments left behind: {left}"
 
@@ -100,7 +88,7 @@ def test_ctrl_c_tears_the_job_down(tmp_path):
     # started with SIGINT ignored, as a script's background job is: Ctrl-C must still work
     cm, proc, run_dir = _start_launcher(tmp_path, ignore_sigint=True)
     try:
-        assert len(_processes_mentioning(str(run_dir))) >= 4  # launcher, 2 shards, worker
+        assert len(processes_mentioning(str(run_dir))) >= 4  # launcher, 2 shards, worker
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130
         _assert_nothing_left(run_dir)

@@ -1,8 +1,11 @@
 """``wavelet tune`` on a tiny sweep: a complete table, a plot, and a consistent recommendation."""
 
+import signal
+
 import matplotlib.image
 import pytest
-from conftest import run_wavelet
+from conftest import run_wavelet, started, wait_for, wavelet_cmd
+from helpers import processes_mentioning
 
 from wavelet.common.config import ConfigError
 from wavelet.common.figures import RunFigures
@@ -99,3 +102,17 @@ def test_a_grouped_rule_names_itself_in_the_table_instead_of_a_bound_and_policy(
         0.9,
     ).splitlines()[2:]
     assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " scale "], [" - ", " wave-turns "]]
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_whole_sweep_and_reports_what_ran(tmp_path):
+    out = tmp_path / "tune"
+    cmd = wavelet_cmd("tune", "--bounds", "1,2", "--epochs", "500", "--out", str(out))
+    with started(cmd, tmp_path / "tune.log") as proc:
+        wait_for(lambda: list(out.glob("00-*/records/worker-0-wave-0.jsonl")), 120, "no training")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, (tmp_path / "tune.log").read_text()[-3000:]
+    report = (out / "report.md").read_text()
+    assert "interrupted (Ctrl-C)" in report
+    assert not list(out.glob("01-*"))  # the next setting never started
+    wait_for(lambda: not processes_mentioning(str(out)), 15, "daemons left behind")
