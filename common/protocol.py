@@ -19,7 +19,7 @@ import msgpack
 import torch
 import zmq
 
-PROTOCOL_VERSION = 2  # 2: weights answered in parts (part_bytes)
+PROTOCOL_VERSION = 3  # 2: weights answered in parts (part_bytes); 3: stats name the update rule
 
 # A header is small; anything bigger is a malformed or hostile message.
 MAX_HEADER_BYTES = 1 << 20
@@ -457,6 +457,7 @@ class StatsReply(Body):
     version: int
     shard: int
     staleness_bound: str
+    update_rule: str  # how pushes become updates: "staleness bound 1", "wave turns", ...
     parked_now: int
     rejected: int
     checkpoint_failures: int

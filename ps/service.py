@@ -268,6 +268,7 @@ class ShardService:
             version=self.shard.version,
             shard=self.config.shard_index,
             staleness_bound=str(self.updates.bound.s),
+            update_rule=self.updates.describe(),
             parked_now=len(self.parked),
             rejected=self.rejected,
             checkpoint_failures=self.checkpoints.failures,

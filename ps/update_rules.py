@@ -82,6 +82,7 @@ class Updates:
         self.shard, self.clocks = shard, clocks
         self.expect_waves = expect_waves
         self.update_lr = job.update_lr
+        self.rule = job.updates
         self.bound = StalenessBound(job.staleness)
         self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
         # one update per push (async), per clock of all waves (s = 0) or of each wave group
@@ -90,6 +91,14 @@ class Updates:
             by_wave_index=job.updates in GROUPED_UPDATES,
             turn_delay=0 if job.updates == "wave-turns" else 1,
         )
+
+    def describe(self) -> str:
+        """The rule in a few words, as ``wavelet stats`` shows it."""
+        if self.rule in GROUPED_UPDATES:
+            return self.rule.replace("-", " ")  # their turn order is the bound
+        if self.bound.s == 0:
+            return "bulk-synchronous (staleness bound 0)"
+        return f"staleness bound {self.bound.s}"
 
     def check_push(self, wave: WaveId, clock: int) -> None:
         """Refuse a push out of the synchronous order (before anything changes)."""

@@ -85,15 +85,15 @@ def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
         return 1
     for s in shards:
         print(
-            f"shard {s['shard']}: version {s['version']}, staleness bound {s['staleness_bound']}, "
+            f"shard {s['shard']}: version {s['version']}, {s['update_rule']}, "
             f"{s['parked_now']} pull(s) parked, {s['rejected']} request(s) rejected"
         )
     print(format_wave_table(merge_wave_stats(shards)))
     print(
         "read: version last read from each shard; mean/p99/max: staleness of pushes; "
         "skipped: steps the wave skipped on fp16 overflow; "
-        "waited_s: time pulls were parked by the bound; via: how its tensors travel (shm: "
-        "shared memory, tcp: ZeroMQ frames)"
+        "waited_s: time pulls were parked by the bound or the turn order; via: how its tensors "
+        "travel (shm: shared memory, tcp: ZeroMQ frames)"
     )
     return 0
 

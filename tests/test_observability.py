@@ -93,6 +93,7 @@ def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
         done = run_wavelet("stats", str(run_dir), timeout=60)
         assert done.returncode == 0, done.stderr
         assert "w0/0" in done.stdout and "shm" in done.stdout
+        assert "version" in done.stdout and ", wave turns," in done.stdout  # the default on a CPU
         launcher.send_signal(2)
         launcher.wait(30)
 

@@ -172,6 +172,24 @@ def test_grouped_updates_refuse_a_bound_or_policy_they_would_ignore(rule, unused
         JobConfig(updates=rule, **unused)
 
 
+@pytest.mark.parametrize(
+    "job, said",
+    [
+        ({"updates": "wave-turns"}, "wave turns"),
+        ({"updates": "wave-groups"}, "wave groups"),
+        ({"updates": "async", "staleness": 0}, "bulk-synchronous (staleness bound 0)"),
+        ({"updates": "async", "staleness": float("inf")}, "staleness bound inf"),
+        ({"updates": "auto", "staleness": 3}, "staleness bound 3"),  # by hand: async
+    ],
+)
+def test_wavelet_stats_names_each_shards_update_rule(tmp_path, job, said):
+    service = _service(tmp_path, **job)
+    try:
+        assert service.updates.describe() == said
+    finally:
+        service.close()
+
+
 def test_compare_modes_keep_their_own_rule_whatever_the_jobs():
     def run(mode, **job):
         return mode_job(MODES[mode], JobConfig(**job), ["cpu"], None)[0]
