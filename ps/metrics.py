@@ -107,7 +107,9 @@ class ShardCollector:
         pushes = CounterMetricFamily("wavelet_shard_pushes", "gradients pushed", labels=per_wave)
         pulls = CounterMetricFamily("wavelet_shard_pulls", "weights served", labels=per_wave)
         parked = CounterMetricFamily(
-            "wavelet_shard_pulls_parked", "pulls the staleness bound held back", labels=per_wave
+            "wavelet_shard_pulls_parked",
+            "pulls held back by the staleness bound or the turn order",
+            labels=per_wave,
         )
         parked_s = CounterMetricFamily(
             "wavelet_shard_parked_seconds", "time pulls were held back", labels=per_wave
