@@ -328,7 +328,8 @@ class JobConfig:
     )
     staleness: float = setting(
         1,
-        help="staleness bound: 0 bulk-synchronous, k stale-synchronous, inf asynchronous",
+        help="staleness bound of asynchronous updates (setting it makes updates = auto async): "
+        "0 bulk-synchronous, k stale-synchronous, inf unbounded",
         allow_inf=True,
     )
     optimizer: OptimizerConfig = setting(
@@ -340,7 +341,7 @@ class JobConfig:
     # scale: measured first to the target at equal memory (docs/tuning.md, "Update rules")
     stale_policy: str = setting(
         "scale",
-        help="what shards do with a stale gradient (see ps/policy.py)",
+        help="what shards do with a stale gradient under asynchronous updates (see ps/policy.py)",
         choices=STALE_POLICIES,
     )
     # auto: measured first to the target on CPU devices (docs/tuning.md, "Which rule reaches
