@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import traceback
+
 import torch
 
 from wavelet.common.config import ConfigError, JobConfig
 from wavelet.common.datasets import Dataset, LoaderDataset, LoaderSettings, build_dataset
 from wavelet.common.evaluation import EvaluateError, Evaluation, load_evaluation
 from wavelet.common.models import build_model
-from wavelet.common.step import load_step
+from wavelet.common.step import StepError, TrainingStep, load_step
 
 
 def loader_settings(job: JobConfig, device: str | torch.device = "cpu") -> LoaderSettings:
@@ -37,15 +39,20 @@ def check_job(job: JobConfig, total_waves: int) -> None:
         dataset, model = build_dataset_and_model(job)
     except (ValueError, TypeError, ImportError) as e:
         raise ConfigError(f"cannot build the job's model or dataset: {e}") from None
+    except Exception as e:  # a user's factory: where it failed is what helps
+        raise ConfigError(
+            f"cannot build the job's model or dataset: {type(e).__name__}: {e} (raised at "
+            f"{_where(e)})"
+        ) from None
     try:
-        load_step(job.step, job.precision)
+        step = load_step(job.step)  # fp32 for this check: fp16 convolutions crawl on a CPU
     except ValueError as e:
         raise ConfigError(f"cannot load the job's step: {e}") from None
     try:
         evaluation = load_evaluation(job)
     except ValueError as e:
         raise ConfigError(f"cannot load the job's evaluation: {e}") from None
-    _check_headline(evaluation, model, dataset, job.batch_size)
+    _check_on_one_batch(step, evaluation, model, dataset, job.batch_size)
     if job.collate_fn:
         try:
             LoaderSettings(collate_fn=job.collate_fn).collate()
@@ -59,14 +66,30 @@ def check_job(job: JobConfig, total_waves: int) -> None:
         )
 
 
-def _check_headline(evaluation: Evaluation, model: torch.nn.Module, dataset, batch_size: int):
-    """Score the untrained model on one batch, so that an evaluation that does not return the
-    job's headline metric stops the job now rather than at its first test, after an epoch or
-    (with eval_every_s) after all of training. Anything else it raises is left to the real
-    test, which sees every batch."""
+def _check_on_one_batch(
+    step: TrainingStep, evaluation: Evaluation, model: torch.nn.Module, dataset, batch_size: int
+) -> None:
+    """Run the job's step and score the untrained model on one batch, so that a step that
+    returns no loss, or an evaluation without the job's headline metric, stops the job now
+    rather than inside a daemon (an evaluation: after an epoch, or with eval_every_s after all
+    of training). Anything else they raise is left to the real run (a metric may need the
+    whole test set; a model may need its own device)."""
     try:
-        evaluation(model, [dataset.sample_batch(min(batch_size, 16))])
+        batch = dataset.sample_batch(min(batch_size, 16))
+        step(model, batch)
+    except StepError as e:
+        raise ConfigError(f"{e} (found by running one step before training)") from None
+    except Exception:
+        return
+    try:
+        evaluation(model, [batch])
     except EvaluateError as e:
         raise ConfigError(f"{e} (found by scoring one batch before training)") from None
-    except Exception:  # a test of one batch may fail where the whole set does not
+    except Exception:
         pass
+
+
+def _where(e: BaseException) -> str:
+    """``file:line`` of the frame that raised ``e``."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"

@@ -31,7 +31,15 @@ Logs = dict[str, float]
 def classification_step(model: torch.nn.Module, batch) -> torch.Tensor:
     """Cross-entropy of ``model(x)`` against ``y`` for ``batch = (x, y)``."""
     x, y = batch
-    return F.cross_entropy(model(x), y)
+    out = model(x)
+    if out.dim() < 2 or out.shape[1] < 2:
+        # one output column: cross-entropy over one class is 0 whatever the model does
+        raise StepError(
+            f"step classification: the model's output has shape {tuple(out.shape)}, but "
+            "cross-entropy needs (batch, classes, ...) with 2 or more classes; for another loss "
+            "(a regression, say) pass --step package.module:function"
+        )
+    return F.cross_entropy(out, y)
 
 
 BUILTIN_STEPS: dict[str, Callable[..., Any]] = {"classification": classification_step}

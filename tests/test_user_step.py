@@ -16,7 +16,9 @@ from wavelet.scripts.report import Progress
 
 STEPS = """
 import itertools
+import math
 
+import torch
 import torch.nn.functional as F
 
 
@@ -30,6 +32,14 @@ def smooth(model, batch):
 def per_sample(model, batch):
     x, y = batch
     return F.cross_entropy(model(x), y, reduction="none")
+
+
+def one_output(input_shape):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 1))
+
+
+def broken_model(input_shape, num_classes):
+    raise KeyError("width")
 
 
 _calls = itertools.count()  # of this process: one worker's waves share it
@@ -76,14 +86,36 @@ def test_a_users_step_trains_and_logs(project, mode):
     assert logs and all(0.0 <= entry["batch_acc"] <= 1.0 for entry in logs)
 
 
-@pytest.mark.timeout(180)
-def test_a_step_that_returns_no_loss_stops_the_job_with_one_line(project):
+def test_a_step_that_returns_no_loss_is_refused_before_anything_starts(project):
     done = run_wavelet(
         "launch", "--step", "mysteps:per_sample", "--epochs", "1", "--run-dir", "run",
-        timeout=170, cwd=project,
+        timeout=100, cwd=project,
     )  # fmt: skip
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert "step mysteps:per_sample returned a tensor of shape (32,), not a scalar" in done.stderr
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "step mysteps:per_sample returned a tensor of shape (16,), not a scalar" in done.stderr
+    assert "before training" in done.stderr
+    assert not (project / "run" / "logs").exists()  # no daemon started
+
+
+def test_a_model_factory_that_raises_is_one_line_naming_where(project):
+    done = run_wavelet("launch", "--model", "mysteps:broken_model", timeout=100, cwd=project)
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()  # no traceback
+    assert "KeyError: 'width' (raised at " in line and "mysteps.py:" in line
+
+
+def test_the_default_step_refuses_a_model_with_one_output(project):
+    # a regression model trained by the classification step: cross-entropy over one class is 0
+    # whatever the model does, so the job would "train" and learn nothing
+    done = run_wavelet(
+        "launch", "--model", "mysteps:one_output", "--epochs", "1", "--run-dir", "run",
+        timeout=100, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "output has shape (16, 1)" in done.stderr and "--step" in done.stderr
+    one = torch.nn.Linear(4, 1)
+    with pytest.raises(StepError, match="2 or more classes"):
+        TrainingStep("classification")(one, (torch.randn(3, 4), torch.zeros(3, 1)))
 
 
 @pytest.mark.timeout(180)
