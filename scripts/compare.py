@@ -53,8 +53,11 @@ class Mode:
     allreduce: bool = False
 
     def at_once(self, job: JobConfig, one_at_a_time: bool) -> float:
+        """How many tasks' saved activations a device holds at once, in waves' peaks."""
         if self.tasks_at_once is not None:
             return self.tasks_at_once
+        if job.updates == "wave-turns":  # a group's forward waits for the other's update
+            return 1.0
         return 1.0 if one_at_a_time else 1.0 + job.baton_handoff
 
 

@@ -67,8 +67,12 @@ def test_waves_that_compute_one_at_a_time_fit_one_waves_batch():
     _, shared, peak, threads = mode_job(MODES["ticktock"], job, ["cpu"], plan, threads=2)
     assert (shared, threads) == (alone, 2)  # the run is launched with the layout assumed
     assert peak <= plan.budget_bytes
-    _, side_by_side, _, threads = mode_job(MODES["ticktock"], job, ["cpu"], plan, threads=1)
+    # waves side by side on a core each overlap by the baton's handoff...
+    _, side_by_side, _, threads = mode_job(MODES["ticktock-async"], job, ["cpu"], plan, threads=1)
     assert side_by_side < alone and threads == 1
+    # ...unless they take turns (ticktock on a CPU is wave turns): never two at once
+    turns, in_turns, _, _ = mode_job(MODES["ticktock"], job, ["cpu"], plan, threads=1)
+    assert turns.updates == "wave-turns" and in_turns == alone
 
 
 def test_one_comparison_probes_each_layout_once():
