@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import inspect
 import math
 import tomllib
@@ -872,8 +873,10 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f"; did you mean {where + close[0]!r}?" if close else ""
         raise ConfigError(
-            f"unknown setting {where}{unknown[0]!r}; known: {', '.join(sorted(names))}"
+            f"unknown setting {where + unknown[0]!r}{hint} (known: {', '.join(sorted(names))})"
         )
     kwargs = {k: _coerce(hints[k], v, f"{where}{k}") for k, v in data.items()}
     try:

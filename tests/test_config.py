@@ -49,6 +49,7 @@ def test_toml_then_flags_then_set(tmp_path):
         ({"batch_size": 0}, "batch_size"),
         ({"epochs": "ten"}, "epochs must be int"),
         ({"bogus": 1}, "unknown setting 'bogus'"),
+        ({"batchsize": 1}, "unknown setting 'batchsize'; did you mean 'batch_size'"),
         ({"optimizer": {"name": "nosuch"}}, "not in torch.optim"),
         ({"optimizer": {"name": "adam", "kwargs": {"momentum": 0.7}}}, "rejected its arguments"),
         ({"optimizer": {"lr": -1.0}}, "lr must be > 0"),

@@ -1,6 +1,7 @@
 """``import wavelet``: JobConfig, launch and compare from Python, with the job's parts given as
 functions (turned into import paths, since every worker is another process that imports them)."""
 
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -13,6 +14,8 @@ from wavelet.common.config import JobConfig
 from wavelet.common.models import build_model
 
 PARTS = """
+import itertools
+
 import torch.nn.functional as F
 
 from wavelet.common.models import build_model
@@ -30,6 +33,15 @@ def smooth_step(model, batch):
 def no_loss(model, batch):
     x, _ = batch
     return model(x)  # a batch of outputs, not a scalar loss
+
+
+_calls = itertools.count()  # of this process: the launcher's check is its first call
+
+
+def fails_in_training(model, batch):
+    if next(_calls) > 0:
+        raise RuntimeError("this step fails once training starts")
+    return smooth_step(model, batch)
 """
 
 
@@ -100,9 +112,13 @@ def test_launch_from_python_trains_with_the_users_functions_and_returns_the_summ
 
 @pytest.mark.timeout(200)
 def test_a_job_that_fails_raises_job_failed_with_its_run_dir(parts):
-    job = wavelet.JobConfig(model="mlp", step=parts.no_loss, epochs=1)
+    job = wavelet.JobConfig(model="mlp", step=parts.fails_in_training, epochs=1)
     with pytest.raises(wavelet.JobFailed) as failed:
         wavelet.launch(job, run_dir="bad", quiet=True)
     assert failed.value.exit_code == 1 and failed.value.run_dir == "bad"
+    # a step that returns no loss is refused before anything starts
+    no_loss = dataclasses.replace(job, step=parts.no_loss)
+    with pytest.raises(wavelet.ConfigError, match="not a scalar loss"):
+        wavelet.launch(no_loss, run_dir="refused", quiet=True)
     with pytest.raises(wavelet.ConfigError, match="unknown launch setting 'device'"):
         wavelet.launch(job, device="cpu")
