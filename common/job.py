@@ -32,9 +32,11 @@ def build_dataset_and_model(
     return dataset, model.to(device)
 
 
-def check_job(job: JobConfig, total_waves: int) -> None:
+def check_job(job: JobConfig, total_waves: int, try_one_batch: bool = False) -> None:
     """Raise ConfigError if the job's model or dataset cannot be built, or cannot feed its waves,
-    so a bad job fails at once with a clear message instead of inside a daemon."""
+    so a bad job fails at once with a clear message instead of inside a daemon. With
+    ``try_one_batch`` (a launcher, which trains nothing itself) also run the job's step and
+    evaluation once: not in a process that trains, whose step may count its calls."""
     try:
         dataset, model = build_dataset_and_model(job)
     except (ValueError, TypeError, ImportError) as e:
@@ -52,7 +54,8 @@ def check_job(job: JobConfig, total_waves: int) -> None:
         evaluation = load_evaluation(job)
     except ValueError as e:
         raise ConfigError(f"cannot load the job's evaluation: {e}") from None
-    _check_on_one_batch(step, evaluation, model, dataset, job.batch_size)
+    if try_one_batch:
+        _check_on_one_batch(step, evaluation, model, dataset, job.batch_size)
     if job.collate_fn:
         try:
             LoaderSettings(collate_fn=job.collate_fn).collate()

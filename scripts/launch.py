@@ -48,7 +48,7 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
     config = dataclasses.replace(config, job=config.concrete_job())  # every process, one rule
     job_cfg = _job_per_process(config)
     tasks = len(config.devices) * config.processes_per_device * job_cfg.waves
-    check_job(job_cfg, tasks)
+    check_job(job_cfg, tasks, try_one_batch=True)
     run_dir = _prepare_run_dir(config, job_cfg)
     job = Job(config, run_dir)
     for stale in (run_dir / "metrics").glob("*.url"):  # a resumed run's daemons pick new ones
