@@ -86,33 +86,31 @@ def test_a_users_step_trains_and_logs(project, mode):
     assert logs and all(0.0 <= entry["batch_acc"] <= 1.0 for entry in logs)
 
 
-def test_a_step_that_returns_no_loss_is_refused_before_anything_starts(project):
-    done = run_wavelet(
-        "launch", "--step", "mysteps:per_sample", "--epochs", "1", "--run-dir", "run",
-        timeout=100, cwd=project,
-    )  # fmt: skip
+def _refused_before_start(project, *flags: str) -> str:
+    """Launch with ``flags``: refused with exit status 2 before any daemon starts; its stderr."""
+    done = run_wavelet("launch", *flags, "--epochs", "1", "--run-dir", "run", timeout=100,
+                       cwd=project)  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "step mysteps:per_sample returned a tensor of shape (16,), not a scalar" in done.stderr
-    assert "before training" in done.stderr
     assert not (project / "run" / "logs").exists()  # no daemon started
+    return done.stderr
+
+
+def test_a_step_that_returns_no_loss_is_refused_before_anything_starts(project):
+    said = _refused_before_start(project, "--step", "mysteps:per_sample")
+    assert "step mysteps:per_sample returned a tensor of shape (16,), not a scalar" in said
+    assert "before training" in said
 
 
 def test_a_model_factory_that_raises_is_one_line_naming_where(project):
-    done = run_wavelet("launch", "--model", "mysteps:broken_model", timeout=100, cwd=project)
-    assert done.returncode == 2, done.stderr[-3000:]
-    (line,) = done.stderr.strip().splitlines()  # no traceback
-    assert "KeyError: 'width' (raised at " in line and "mysteps.py:" in line
+    (line,) = _refused_before_start(project, "--model", "mysteps:broken_model").strip().splitlines()
+    assert "KeyError: 'width' (raised at " in line and "mysteps.py:" in line  # no traceback
 
 
 def test_the_default_step_refuses_a_model_with_one_output(project):
     # a regression model trained by the classification step: cross-entropy over one class is 0
     # whatever the model does, so the job would "train" and learn nothing
-    done = run_wavelet(
-        "launch", "--model", "mysteps:one_output", "--epochs", "1", "--run-dir", "run",
-        timeout=100, cwd=project,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "output has shape (16, 1)" in done.stderr and "--step" in done.stderr
+    said = _refused_before_start(project, "--model", "mysteps:one_output")
+    assert "output has shape (16, 1)" in said and "--step" in said
     one = torch.nn.Linear(4, 1)
     with pytest.raises(StepError, match="2 or more classes"):
         TrainingStep("classification")(one, (torch.randn(3, 4), torch.zeros(3, 1)))
