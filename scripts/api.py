@@ -45,8 +45,9 @@ def launch(job: JobConfig, *, quiet: bool = False, **settings: Any) -> dict:
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ConfigError(f"unknown launch setting {unknown[0]!r}; known: {sorted(known)}")
-    settings.setdefault("run_dir", str(new_run_dir()))
     config = LaunchConfig(job=job, **settings)
+    if not config.run_dir:  # made here, so that the summary is found where launch wrote it
+        config = dataclasses.replace(config, run_dir=str(new_run_dir()))
     from wavelet.scripts.launch import launch as launch_job
 
     code = launch_job(config, quiet=quiet)

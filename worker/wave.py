@@ -361,8 +361,7 @@ class Wave:
 
 
 def _one_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}"
-    return text.splitlines()[0] if text.strip() else type(e).__name__
+    return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
 def _leave_quietly(client: PSClient, name: str) -> None:
