@@ -497,14 +497,19 @@ def concrete_updates(job: JobConfig, cpu_workers: bool, ticktock: bool = True) -
 ASYNC_ONLY_SETTINGS = ("staleness", "stale_policy")  # what grouped updates have no use for
 
 
+def async_only_defaults() -> dict[str, Any]:
+    """The defaults of the settings only asynchronous updates use."""
+    fields = {f.name: f for f in dataclasses.fields(JobConfig)}
+    return {name: _default_of(fields[name]) for name in ASYNC_ONLY_SETTINGS}
+
+
 def _async_only_settings(job: JobConfig) -> list[str]:
     """``staleness = 2``-style descriptions of the settings of ``job`` that only asynchronous
     updates use and that differ from their defaults."""
-    fields = {f.name: f for f in dataclasses.fields(JobConfig)}
     return [
         f"{name} = {getattr(job, name)}"
-        for name in ASYNC_ONLY_SETTINGS
-        if getattr(job, name) != _default_of(fields[name])
+        for name, default in async_only_defaults().items()
+        if getattr(job, name) != default
     ]
 
 

@@ -456,7 +456,6 @@ class CheckpointReply(Body):
 class StatsReply(Body):
     version: int
     shard: int
-    staleness_bound: str
     update_rule: str  # how pushes become updates: "staleness bound 1", "wave turns", ...
     parked_now: int
     rejected: int

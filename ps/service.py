@@ -267,7 +267,6 @@ class ShardService:
         reply = StatsReply(
             version=self.shard.version,
             shard=self.config.shard_index,
-            staleness_bound=str(self.updates.bound.s),
             update_rule=self.updates.describe(),
             parked_now=len(self.parked),
             rejected=self.rejected,

@@ -17,10 +17,10 @@ import traceback
 from pathlib import Path
 
 from wavelet.common.config import (
-    ASYNC_ONLY_SETTINGS,
     GROUPED_UPDATES,
     JobConfig,
     LaunchConfig,
+    async_only_defaults,
     launch_updates,
 )
 from wavelet.common.evaluation import format_target
@@ -56,8 +56,8 @@ class Mode:
         """How many tasks' saved activations a device holds at once, in waves' peaks."""
         if self.tasks_at_once is not None:
             return self.tasks_at_once
-        if job.updates == "wave-turns":  # a group's forward waits for the other's update
-            return 1.0
+        if job.updates == "wave-turns":  # a group reads, so starts its forward, after the
+            return 1.0  # other group's backward and update
         return 1.0 if one_at_a_time else 1.0 + job.baton_handoff
 
 
@@ -86,14 +86,14 @@ MODES: dict[str, Mode] = {
         "latest update, so none is stale (updates = wave-turns)",
         {"schedule": "ticktock"},
         {"waves": 2, "updates": "wave-turns"},
-        1.0,  # a group reads, so starts its forward, after the other's backward and update
+        None,  # one wave's activations at a time, as at_once counts wave turns
     ),
     "ticktock-turns-pull": Mode(
         "PS, 2 waves in strict turns, each layer's forward starting as soon as its own weights "
         "are in (updates = wave-turns, pull_during_forward)",
         {"schedule": "ticktock"},
         {"waves": 2, "updates": "wave-turns", "pull_during_forward": True},
-        1.0,
+        None,
     ),
     "ticktock-tcp": Mode(
         "PS, 2 waves tick-tock, tensors over TCP (ZeroMQ frames) even to co-located shards",
@@ -271,8 +271,7 @@ def _with_mode_settings(job: JobConfig, mode: Mode) -> JobConfig:
     staleness bound and stale policy, which only the asynchronous modes use."""
     settings = dict(mode.job)
     if settings.get("updates", job.updates) in GROUPED_UPDATES:
-        defaults = JobConfig()
-        settings.update({name: getattr(defaults, name) for name in ASYNC_ONLY_SETTINGS})
+        settings.update(async_only_defaults())
     return dataclasses.replace(job, **settings)
 
 

@@ -21,6 +21,7 @@ from wavelet.common.config import (
     ConfigError,
     JobConfig,
     LaunchConfig,
+    async_only_defaults,
 )
 from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
@@ -96,14 +97,14 @@ def settings_for(
     so it runs once), and each grouped rule once (their turn order is their bound, and they
     apply a group's mean without a policy)."""
     out = []
-    defaults = JobConfig()  # what a grouped rule leaves unused
+    unused = async_only_defaults()  # what a grouped rule leaves at its default
     if "async" in updates:
         for b in bounds:
             for p in [policies[0]] if b == 0 else policies:
                 out.append(Setting(b, p))
     for rule in GROUPED_UPDATES:
         if rule in updates:
-            out.append(Setting(defaults.staleness, defaults.stale_policy, rule))
+            out.append(Setting(unused["staleness"], unused["stale_policy"], rule))
     return out
 
 
