@@ -666,6 +666,12 @@ class WorkerConfig:
     metrics_host: str = setting("127.0.0.1", help="address the metrics port binds")
     curve_secret: str = setting("", help="CURVE: this worker's .key_secret file")
     curve_server_key: str = setting("", help="CURVE: the shards' public .key file")
+    report: bool = setting(
+        True,
+        help="ps mode: print the progress of this worker's waves and, at the end, the test "
+        "metrics of the shards' weights, samples/s and staleness (wavelet launch and wavelet "
+        "run show their own)",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -258,7 +258,11 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     check_job(config.job, config.num_workers * config.job.waves)
     daemon = WorkerDaemon(config)
     on_signals(daemon.stop)
-    return daemon.run()
+    if not config.report:
+        return daemon.run()
+    from wavelet.scripts.report import train_and_report
+
+    return train_and_report(daemon)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -257,6 +257,7 @@ def _start_ps_workers(job: Job, job_file: Path, address_files: list[str]) -> lis
             resume=bool(cfg.resume),
             curve_secret=str(job.keys.client_secret(f"worker-{rank}")) if job.keys else "",
             curve_server_key=str(job.keys.server_public) if job.keys else "",
+            report=False,  # the launcher shows the job's progress and summary
         )
         args = ["worker", "--config", str(job_file), *command_line(worker)]
         workers.append(job.spawn(f"worker-{rank}", args))

@@ -6,17 +6,19 @@ wave) printed and written to ``summary.json``. ``wavelet launch`` and ``wavelet 
 from __future__ import annotations
 
 import json
+import sys
+import threading
 import time
 from pathlib import Path
 
 from wavelet.common.config import JobConfig
 from wavelet.common.evaluation import format_value
 from wavelet.common.figures import push_staleness
-from wavelet.common.protocol import AdminRequest, Op
+from wavelet.common.protocol import AdminRequest, Op, ShardError
 from wavelet.scripts.plots import staleness_histograms
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
 from wavelet.scripts.tensorboard_log import RunBoard
-from wavelet.worker.connection import call_shard
+from wavelet.worker.connection import call_shard, client_keys
 from wavelet.worker.evaluate import evaluate_shards
 
 
@@ -29,18 +31,22 @@ def summarize(
     keys=None,
     admin_token: str = "",
     job_wide: dict | None = None,
+    stop_shards: bool = True,
+    throughput_of: str = "this machine's workers",
 ) -> dict:
-    """The end of a job: with shards, test their weights, fetch their statistics and stop them;
-    then write and return summary.json (accuracy, samples/s, lost updates, staleness per wave).
-    ``job_wide``: samples and samples/s of every node's workers (under torchrun; the records here
-    are this node's only)."""
+    """The end of a job: with shards, test their weights, fetch their statistics and stop them
+    (unless not ``stop_shards``); then write and return summary.json (accuracy, samples/s, lost
+    updates, staleness per wave). ``job_wide``: samples and samples/s of every node's workers
+    (under torchrun; the records here are this node's only)."""
     progress.read()
     if addresses:
         metrics = evaluate_shards(addresses, job_cfg, keys=keys)
         stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
-        for a in addresses:
+        for a in addresses if stop_shards else ():
             call_shard(a, Op.SHUTDOWN, keys=keys, body=AdminRequest(token=admin_token).to_wire())
-        staleness_histograms(push_staleness(run_dir), run_dir / "staleness.png")
+        staleness = push_staleness(run_dir)  # the shards' records, where they share the run dir
+        if staleness:
+            staleness_histograms(staleness, run_dir / "staleness.png")
     else:
         metrics = progress.final_metrics
         stats = {}
@@ -64,7 +70,7 @@ def summarize(
         "skipped_steps": dict(progress.skipped),
         "wire_overflows": sum(progress.wire_overflows.values()),
         "waves": stats,
-        "throughput_of": "this machine's workers",
+        "throughput_of": throughput_of,
     }
     if job_wide is not None:
         summary.update(
@@ -75,6 +81,41 @@ def summarize(
         )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def train_and_report(daemon) -> int:
+    """A worker started by hand (``wavelet worker``): its waves' progress while it trains,
+    then the summary of its run dir (the test metrics of the shards' weights as they are when
+    it ends, samples/s, staleness per wave) printed and written to summary.json. The shards
+    keep serving: they are the user's to stop."""
+    cfg, started = daemon.config, time.time()
+    run_dir = Path(cfg.run_dir)
+    progress = Progress(run_dir, cfg.job.epochs, since=started)
+    print(
+        f"worker {cfg.rank} of {cfg.num_workers}: {cfg.job.waves} wave(s) on {cfg.device}, "
+        f"records in {run_dir / 'records'}",
+        flush=True,
+    )
+    with ProgressLines(progress, started):
+        code = daemon.run()
+    if code or daemon.stop_requested:
+        return code
+    try:
+        summary = summarize(
+            run_dir,
+            f"ps (worker {cfg.rank})",
+            cfg.job,
+            daemon.config.shard_addresses,  # read from their files where it was given those
+            progress,
+            client_keys(cfg),
+            stop_shards=False,
+            throughput_of=f"the waves recorded in {run_dir}",
+        )
+    except ShardError as e:
+        print(f"wavelet worker: trained, but the shards could not be tested: {e}", file=sys.stderr)
+        return 1
+    print("\n" + format_summary(summary), flush=True)
+    return 0
 
 
 def format_summary(s: dict) -> str:
@@ -117,6 +158,29 @@ def _precision_line(s: dict) -> str:
     if s.get("wire_overflows"):
         line += f"; {s['wire_overflows']} gradient(s) clamped to fp16's range"
     return line
+
+
+class ProgressLines:
+    """Prints ``progress``'s line every ``every_s`` from a thread of its own, while the caller
+    trains on its thread: the one whose torch threads the computation uses (worker/compute.py)."""
+
+    def __init__(self, progress: Progress, started: float, every_s: float = 2.0):
+        self.progress, self.started, self.every_s = progress, started, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._show, name="progress", daemon=True)
+
+    def __enter__(self) -> ProgressLines:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _show(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.progress.read()
+            print(self.progress.line(time.time() - self.started), flush=True)
 
 
 def _metrics_of(r: dict) -> dict[str, float]:

@@ -317,6 +317,7 @@ def _worker(config: RunConfig, role: Role, layout: Layout, store) -> int:
         transport=config.transport,
         curve_secret=str(keys.client_secret(CURVE_CLIENT)) if keys else "",
         curve_server_key=str(keys.server_public) if keys else "",
+        report=False,  # worker 0 shows the job's progress and summary
     )
     check_job(job, layout.workers * job.waves)
     daemon = WorkerDaemon(worker_config)
@@ -336,20 +337,11 @@ def _worker(config: RunConfig, role: Role, layout: Layout, store) -> int:
 def _report_while(daemon, job, role, layout, store, addresses, run_dir, started, keys) -> int:
     """Worker 0: train, showing progress from this node's records; then, once every worker is
     done, test the shards' weights, print the summary, write summary.json, stop the shards."""
-    import threading
+    from wavelet.scripts.report import Progress, ProgressLines, format_summary, summarize
 
-    from wavelet.scripts.report import Progress, format_summary, summarize
-
-    result: list[int] = []
-    trainer = threading.Thread(target=lambda: result.append(daemon.run()), name="train")
-    trainer.start()
     progress = Progress(Path(run_dir), job.epochs, since=started)
-    while trainer.is_alive():
-        trainer.join(2.0)
-        if trainer.is_alive():
-            progress.read()
-            print(progress.line(time.time() - started), flush=True)
-    code = result[0] if result else 1
+    with ProgressLines(progress, started):
+        code = daemon.run()
     if daemon.stop_requested:
         # torchrun stops the group (a process failed, or Ctrl-C): a shard may be gone, so no
         # test of the weights and no summary, which would wait on it; the checkpoints stay
