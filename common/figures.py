@@ -50,6 +50,7 @@ STEP_PARTS = (
     "forward_s",
     "backward_s",
     "push_pull_s",
+    "bound_wait_s",  # the part of push_pull_s that pulls were held at the shards
     "pull_wait_s",
     "baton_wait_s",
     "compute_wait_s",

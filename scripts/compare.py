@@ -457,10 +457,20 @@ def _metric(results: list[ModeResult]) -> str:
 
 def _why(name: str, m: RunFigures) -> str:
     """Where a mode's step time goes, from its records (means per step and wave or rank)."""
-    t = m.step_means
+    t = dict(m.step_means)
     if not t:
         return ""
-    parts = [f"{k.removesuffix('_s').replace('_', ' ')} {1000 * v:.1f} ms" for k, v in t.items()]
+    held = t.pop("bound_wait_s", 0.0)  # inside push+pull: not a part of its own
+    parts = []
+    for k, v in t.items():
+        part = f"{k.removesuffix('_s').replace('_', ' ')} {1000 * v:.1f} ms"
+        if k == "push_pull_s" and held >= 0.0005:
+            # under wave turns most of it is the other waves' turn, not the parameter server
+            part += (
+                f" ({1000 * held:.1f} of them held at the shards until other waves' updates "
+                "were in: the turn order or the staleness bound)"
+            )
+        parts.append(part)
     return f"`{name}` per step: " + ", ".join(parts)
 
 

@@ -10,7 +10,7 @@ from helpers import processes_mentioning
 
 from wavelet.common.figures import RunFigures, combined_timeline, peak, run_figures
 from wavelet.common.records import read_records
-from wavelet.scripts.compare import COLUMNS, DEFAULT_MODES, ModeResult, verdict
+from wavelet.scripts.compare import COLUMNS, DEFAULT_MODES, ModeResult, _why, verdict
 
 
 def test_combined_timeline_known_answer():
@@ -135,3 +135,15 @@ def test_the_verdict_sets_the_earliest_tick_tock_mode_against_the_earliest_all_r
     )
     late = [run("ticktock", 800, None), run("allreduce", 810, 10.0)]
     assert "Time to 60%: no tick-tock mode reached it." in verdict(late, 0.6, None)
+
+
+def test_the_step_breakdown_says_how_much_of_push_pull_was_held_at_the_shards():
+    # wave turns: most of a wave's push+pull is the other wave's turn, not the server
+    held = RunFigures("runs/t", 100.0, 1.0, step_means={"forward_s": 0.001, "push_pull_s": 0.0119})
+    held.step_means["bound_wait_s"] = 0.0102
+    assert _why("ticktock", held) == (
+        "`ticktock` per step: forward 1.0 ms, push pull 11.9 ms (10.2 of them held at the "
+        "shards until other waves' updates were in: the turn order or the staleness bound)"
+    )
+    free = RunFigures("runs/s", 100.0, 1.0, step_means={"push_pull_s": 0.002, "bound_wait_s": 0})
+    assert _why("single", free) == "`single` per step: push pull 2.0 ms"
