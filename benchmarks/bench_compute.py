@@ -18,6 +18,7 @@ one computing thread) is the worker's start-up probe's choice (worker/threads.py
 
     .venv/bin/python benchmarks/bench_compute.py            # narrow ResNet-18, batch 32
     .venv/bin/python benchmarks/bench_compute.py --config configs/digits.toml --repeats 5
+    .venv/bin/python benchmarks/bench_compute.py --probe 15 --batch-size 41  # the probe's noise
 """
 
 from __future__ import annotations
@@ -103,6 +104,47 @@ def _measure(setting: str, config: str | None, batch_size: int, count: int, thre
     return {"setting": setting, "samples_per_s": waves * count * job.batch_size / elapsed}
 
 
+def _probe_stability(config: str | None, batch_size: int, trials: int, threads: int) -> None:
+    """How often the worker's thread probe (worker/threads.py) would choose narrow, taking the
+    best of its first two timed rounds against the best of four: ``trials`` probes of the job's
+    model, one thread against ``threads``, one step each in turns, the same steps read both
+    ways."""
+    import torch
+
+    from wavelet.common.datasets import build_dataset
+    from wavelet.common.models import build_model
+    from wavelet.common.step import load_step
+    from wavelet.worker.threads import WIDE_GAIN
+
+    job = _job(config, batch_size)
+    dataset = build_dataset(job.dataset, job.seed, None, **job.dataset_kwargs)
+    model = build_model(
+        job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
+    )
+    step = load_step(job.step, job.precision)
+    batch = dataset.sample_batch(job.batch_size)
+    ratios: dict[int, list[float]] = {2: [], 4: []}
+    for _ in range(trials):
+        times: dict[int, list[float]] = {1: [], threads: []}
+        for i in range(5):  # a warm-up, then four timed rounds
+            for n in times:
+                torch.set_num_threads(n)
+                began = time.perf_counter()
+                step(model, batch)[0].backward()
+                if i:
+                    times[n].append(time.perf_counter() - began)
+        for best_of in ratios:
+            ratios[best_of].append(min(times[1][:best_of]) / min(times[threads][:best_of]))
+    print(f"{config}, batch {job.batch_size}: narrow/wide step time over {trials} probes")
+    for best_of, values in ratios.items():
+        narrow = sum(r < WIDE_GAIN for r in values)
+        print(
+            f"best of {best_of}: median {statistics.median(values):.2f} "
+            f"(range {min(values):.2f}-{max(values):.2f}); below {WIDE_GAIN} (narrow): "
+            f"{narrow} of {trials}"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/narrow_resnet.toml")
@@ -110,11 +152,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per wave")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument(
+        "--probe", type=int, default=0, help="instead: N thread probes, best of 2 against 4"
+    )
     parser.add_argument("--one", choices=SETTINGS, help=argparse.SUPPRESS)  # a child's setting
     args = parser.parse_args()
     from wavelet.common.machine import usable_cores
 
     threads = args.threads or usable_cores()
+    if args.probe:
+        _probe_stability(args.config, args.batch_size, args.probe, threads)
+        return 0
     if args.one:
         print(json.dumps(_measure(args.one, args.config, args.batch_size, args.steps, threads)))
         return 0

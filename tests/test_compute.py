@@ -171,3 +171,29 @@ def test_under_wave_turns_any_step_faster_wide_goes_wide_and_a_busy_machine_stay
     assert turns.layout == ("wide" if goes_wide(turns.narrow_s, turns.wide_s, False) else "narrow")
     probed = probe_threads(job, "cpu", 2, dataset)
     assert probed.narrow_s > 0 and probed.wide_s > 0 and not probed.reason
+
+
+@pytest.mark.parametrize("step_s, rounds", [(0.0, 4), (0.2, 2)])
+def test_the_probe_takes_more_rounds_where_they_are_cheap(monkeypatch, step_s, rounds):
+    """Four timed rounds after the warm-up where they fit the probe's time budget (a moment's
+    load on the wide steps then misleads it less often), at least two however long a step."""
+    import torch
+
+    from wavelet.worker import threads
+
+    monkeypatch.setattr(threads, "PROBE_BUDGET_S", 0.5)
+    calls = []
+
+    def step(model, batch):
+        calls.append(torch.get_num_threads())
+        threading.Event().wait(step_s)
+        return (model(batch).sum(),)
+
+    model = torch.nn.Linear(4, 2)
+    before = torch.get_num_threads()
+    try:
+        best = threads._step_times(model, torch.ones(3, 4), (1, 2), step)
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [1, 2] * (1 + rounds)  # the warm-up, then the timed rounds, in turns
+    assert all(0 < b < float("inf") for b in best)

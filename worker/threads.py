@@ -34,6 +34,13 @@ log = logging.getLogger(__name__)
 
 WIDE_GAIN = 1.3  # a step alone must be this much faster on all cores...
 WIDE_MIN_STEP_S = 0.05  # ...and this long narrow: shorter steps are per-operation overhead
+# Timed rounds of the probe (one step at each setting), after a warm-up: at least the first
+# number, and more up to the second while the probe has taken under PROBE_BUDGET_S. On this
+# noisy machine the narrow ResNet (wide 1.45-1.6x faster at the median) went narrow in 9 of 45
+# probes on the best of two steps and in 6 of the same 45 on the best of four: a moment's load on
+# the wide steps is enough (benchmarks/bench_compute.py --probe 15, three runs).
+PROBE_ROUNDS = (2, 4)
+PROBE_BUDGET_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -119,10 +126,14 @@ def goes_wide(narrow_s: float, wide_s: float, overlap: bool = True) -> bool:
 def _step_times(
     model: torch.nn.Module, batch, settings: tuple[int, ...], step: TrainingStep
 ) -> list[float]:
-    """The best of two steps (after a warm-up) at each thread count, taken in turns, so that a
-    moment's load elsewhere falls on every setting alike."""
+    """The best step (after a warm-up) at each thread count over ``PROBE_ROUNDS``, taken in
+    turns, so that a moment's load elsewhere falls on every setting alike."""
     best = [float("inf")] * len(settings)
-    for i in range(3):  # the first round is a warm-up
+    began = time.perf_counter()
+    fewest, most = PROBE_ROUNDS
+    for i in range(most + 1):  # the first round is a warm-up
+        if i > fewest and time.perf_counter() - began >= PROBE_BUDGET_S:
+            break
         for k, threads in enumerate(settings):
             torch.set_num_threads(threads)
             start = time.perf_counter()
