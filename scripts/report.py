@@ -140,7 +140,8 @@ def format_summary(s: dict) -> str:
             "staleness per wave (updates applied between a wave's read and its push):",
             format_wave_table(s["waves"]),
         ]
-    lines.append(f"records, logs and summary.json: {s['run_dir']}")
+    logs = (Path(s["run_dir"]) / "logs").is_dir()  # a launcher's daemons log there
+    lines.append(f"records{', logs' if logs else ''} and summary.json: {s['run_dir']}")
     return "\n".join(lines)
 
 
