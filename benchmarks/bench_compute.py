@@ -109,12 +109,10 @@ def _probe_stability(config: str | None, batch_size: int, trials: int, threads: 
     best of its first two timed rounds against the best of four: ``trials`` probes of the job's
     model, one thread against ``threads``, one step each in turns, the same steps read both
     ways."""
-    import torch
-
     from wavelet.common.datasets import build_dataset
     from wavelet.common.models import build_model
     from wavelet.common.step import load_step
-    from wavelet.worker.threads import WIDE_GAIN
+    from wavelet.worker.threads import WIDE_GAIN, timed_rounds
 
     job = _job(config, batch_size)
     dataset = build_dataset(job.dataset, job.seed, None, **job.dataset_kwargs)
@@ -125,16 +123,10 @@ def _probe_stability(config: str | None, batch_size: int, trials: int, threads: 
     batch = dataset.sample_batch(job.batch_size)
     ratios: dict[int, list[float]] = {2: [], 4: []}
     for _ in range(trials):
-        times: dict[int, list[float]] = {1: [], threads: []}
-        for i in range(5):  # a warm-up, then four timed rounds
-            for n in times:
-                torch.set_num_threads(n)
-                began = time.perf_counter()
-                step(model, batch)[0].backward()
-                if i:
-                    times[n].append(time.perf_counter() - began)
+        # the probe's own rounds, four of them whatever they take
+        narrow, wide = timed_rounds(model, batch, (1, threads), step, rounds=(4, 4))
         for best_of in ratios:
-            ratios[best_of].append(min(times[1][:best_of]) / min(times[threads][:best_of]))
+            ratios[best_of].append(min(narrow[:best_of]) / min(wide[:best_of]))
     print(f"{config}, batch {job.batch_size}: narrow/wide step time over {trials} probes")
     for best_of, values in ratios.items():
         narrow = sum(r < WIDE_GAIN for r in values)

@@ -128,9 +128,22 @@ def _step_times(
 ) -> list[float]:
     """The best step (after a warm-up) at each thread count over ``PROBE_ROUNDS``, taken in
     turns, so that a moment's load elsewhere falls on every setting alike."""
-    best = [float("inf")] * len(settings)
+    return [min(times) for times in timed_rounds(model, batch, settings, step)]
+
+
+def timed_rounds(
+    model: torch.nn.Module,
+    batch,
+    settings: tuple[int, ...],
+    step: TrainingStep,
+    rounds: tuple[int, int] = PROBE_ROUNDS,
+) -> list[list[float]]:
+    """Per thread count in ``settings``, the time of one step in each timed round: a warm-up
+    round, then ``rounds[0]`` rounds, and more up to ``rounds[1]`` while under
+    ``PROBE_BUDGET_S``; each round one step at every setting in turn."""
+    times: list[list[float]] = [[] for _ in settings]
     began = time.perf_counter()
-    fewest, most = PROBE_ROUNDS
+    fewest, most = rounds
     for i in range(most + 1):  # the first round is a warm-up
         if i > fewest and time.perf_counter() - began >= PROBE_BUDGET_S:
             break
@@ -139,5 +152,5 @@ def _step_times(
             start = time.perf_counter()
             step(model, batch)[0].backward()
             if i:
-                best[k] = min(best[k], time.perf_counter() - start)
-    return best
+                times[k].append(time.perf_counter() - start)
+    return times
