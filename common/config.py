@@ -151,6 +151,9 @@ WIRE_DTYPES = ("fp32", "bf16", "fp16")
 PLACEMENTS = ("size", "layers")  # of chunks on shards (common/sharding.py)
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
+# all-reduce: DDP's find_unused_parameters; auto turns it on where a step at the start leaves a
+# trainable parameter without a gradient (worker/allreduce.py)
+FIND_UNUSED = ("auto", "always", "never")
 # Help texts that more than one config class shows: written once.
 # the launchers' settings for their shards (LaunchConfig, RunConfig)
 SHARDS_CHECKPOINT_EVERY_HELP = "shards checkpoint every N updates (0: only when they stop)"
@@ -402,6 +405,13 @@ class JobConfig:
         False,
         help="recompute the model's blocks in backward instead of keeping their activations "
         "(torch.utils.checkpoint; see common/models.py)",
+    )
+    find_unused_parameters: str = setting(
+        "auto",
+        help="all-reduce: DDP's find_unused_parameters (auto: on where one step at the start "
+        "leaves a trainable parameter without a gradient; always: for models whose unused "
+        "parameters change from step to step)",
+        choices=FIND_UNUSED,
     )
     # A straggler, for experiments: wave number slow_wave (counted over the whole job, -1 for
     # none) takes slow_factor times as long per iteration.

@@ -102,9 +102,61 @@ class AllReduceWorker:
         """Every rank must stop at the same step or the others hang in all_reduce: agree on it."""
         budget = self.config.job.max_seconds
         local = self.stop_event.is_set() or bool(budget and time.monotonic() - started >= budget)
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return _any_rank(local, device)
+
+
+class UnusedParameterError(RuntimeError):
+    """DDP could not finish a step's reduction: a trainable parameter got no gradient on some
+    rank. Says which setting fixes it, in the words of this project's config."""
+
+    def __init__(self, setting: str, unused: list[str], iteration: int):
+        if setting == "never":
+            fix = 'set find_unused_parameters = "auto" (the default) or "always"'
+        elif setting == "auto" and not unused:
+            fix = (
+                "the step at the start gave every parameter one: for a model whose unused "
+                'parameters change from step to step, set find_unused_parameters = "always"'
+            )
+        else:  # DDP looked for them: a rank used parameters the others did not
+            fix = "every rank's step must leave the same parameters unused"
+        super().__init__(
+            f"all-reduce: a trainable parameter got no gradient in step {iteration} (counting "
+            f"from 1), so DDP cannot finish its reduction: {fix} (--set "
+            "find_unused_parameters=...), or give every parameter a part in the loss"
+        )
+
+
+def unused_parameters(model: torch.nn.Module, dataset, job) -> list[str]:
+    """Names of the trainable parameters that one step of the job (fp32, on a few samples)
+    leaves without a gradient: DDP must then look for unused parameters, or it waits for their
+    gradients and fails at the next step. Nothing changes: the model's buffers (BatchNorm
+    statistics) are put back and its gradients cleared. ``[]`` unless ``job`` asks for auto."""
+    if job.find_unused_parameters != "auto":
+        return []
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    x, y = (t.to(device) for t in dataset.sample_batch(min(job.batch_size, 4)))
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    try:
+        loss, _ = load_step(job.step)(model, (x, y))
+        loss.backward()
+        return [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """``flag`` on any rank (every rank calls it, or all wait)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _names(names: list[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def exit_rank(code: int) -> NoReturn:
@@ -165,8 +217,21 @@ class _Rank:
         self.dataset, self.model = build_dataset_and_model(job, device)
         if job.activation_checkpointing:
             checkpoint_blocks(self.model)
+        self.unused_setting = job.find_unused_parameters
+        self.unused = unused_parameters(self.model, self.dataset, job)
+        self.find_unused = job.find_unused_parameters == "always" or (
+            job.find_unused_parameters == "auto" and _any_rank(bool(self.unused), device)
+        )
+        if self.unused and job.find_unused_parameters != "never":
+            log.info(
+                "rank %d: one step leaves %s without a gradient: DDP finds unused parameters",
+                self.rank,
+                _names(self.unused),
+            )
         self.ddp = DistributedDataParallel(
-            self.model, device_ids=[device.index] if device.type == "cuda" else None
+            self.model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=self.find_unused,
         )
         compress_gradients(self.ddp, job.wire_dtype)
         fp16 = job.precision == "fp16"
@@ -202,6 +267,8 @@ class _Rank:
                 "world_size": world,
                 "precision": job.precision,
                 "wire_dtype": job.wire_dtype,
+                "unused_parameters": self.unused,
+                "find_unused_parameters": self.find_unused,
             }
         )
 
@@ -212,7 +279,12 @@ class _Rank:
         self.meter.reset_peak()
         t0, t_start = time.perf_counter(), time.time()
         with self.meter.hooks():
-            loss, logs = self.training_step(self.ddp, (x, y))
+            try:
+                loss, logs = self.training_step(self.ddp, (x, y))
+            except RuntimeError as e:
+                if "Expected to have finished reduction" not in str(e):
+                    raise
+                raise UnusedParameterError(self.unused_setting, self.unused, iteration) from None
         t_end, t1 = time.time(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
