@@ -151,12 +151,13 @@ class LoaderDataset:
             raise ValueError(f"{len(self.train)} training samples cannot feed {count} waves")
         return LoaderPart(self.train, index, count, seed, self.loader)
 
-    def sample_batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_batch(self, size: int) -> Any:
+        """The first ``size`` training samples (repeated where there are fewer), collated as
+        the waves' batches are: ``(inputs, targets)``, or what the job's collate_fn makes."""
         indices = [i % len(self.train) for i in range(size)]
-        x, y = self._collate()([self.train[i] for i in indices])
-        return x, y
+        return self._collate()([self.train[i] for i in indices])
 
-    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def test_batches(self, batch_size: int) -> Iterator[Any]:
         yield from read_batches(self._loader(self.test, batch_size), self.loader)
 
     def _collate(self) -> Callable:

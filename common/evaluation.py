@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from wavelet.common.batches import pair
 from wavelet.common.imports import import_callable
 
 Metrics = dict[str, float]
@@ -22,7 +23,11 @@ Metrics = dict[str, float]
 def accuracy(model: torch.nn.Module, batches: Iterable) -> Metrics:
     """Top-1 accuracy of ``model(x)`` against class labels ``y``."""
     correct = seen = 0
-    for x, y in batches:
+    for batch in batches:
+        try:
+            x, y = pair(batch, "evaluation accuracy")
+        except ValueError as e:
+            raise EvaluateError(str(e)) from None
         correct += int((model(x).argmax(1) == y).sum())
         seen += len(y)
     return {"accuracy": correct / max(1, seen)}

@@ -6,6 +6,7 @@ import traceback
 
 import torch
 
+from wavelet.common.batches import batch_samples
 from wavelet.common.config import ConfigError, JobConfig
 from wavelet.common.datasets import Dataset, LoaderDataset, LoaderSettings, build_dataset
 from wavelet.common.evaluation import EvaluateError, Evaluation, load_evaluation
@@ -79,6 +80,13 @@ def _check_on_one_batch(
     whole test set; a model may need its own device)."""
     try:
         batch = dataset.sample_batch(min(batch_size, 16))
+    except Exception:
+        return
+    try:
+        batch_samples(batch)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
         step(model, batch)
     except StepError as e:
         raise ConfigError(f"{e} (found by running one step before training)") from None

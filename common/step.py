@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from wavelet.common.batches import pair
 from wavelet.common.imports import import_callable
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,10 @@ Logs = dict[str, float]
 
 def classification_step(model: torch.nn.Module, batch) -> torch.Tensor:
     """Cross-entropy of ``model(x)`` against ``y`` for ``batch = (x, y)``."""
-    x, y = batch
+    try:
+        x, y = pair(batch, "step classification")
+    except ValueError as e:
+        raise StepError(str(e)) from None
     out = model(x)
     if out.dim() < 2 or out.shape[1] < 2:
         # one output column: cross-entropy over one class is 0 whatever the model does

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wavelet.common.batches import cloned, to_device
 from wavelet.common.config import ConfigError, JobConfig
 from wavelet.common.job import build_dataset_and_model
 from wavelet.common.models import checkpoint_blocks
@@ -112,19 +113,18 @@ class ActivationProbe:
     def _measure(self, batch: int) -> int:
         # real samples (the job's step may read the labels), repeated beyond the data, in
         # storage of their own (a slice would count the whole dataset)
-        x, y = self.dataset.sample_batch(batch)
-        x, y = x.to(self.device).clone(), y.to(self.device).clone()
+        sample = cloned(to_device(self.dataset.sample_batch(batch), self.device))
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            self.step(self.model, (x, y))[0].backward()
+            self.step(self.model, sample)[0].backward()
             self.model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - base
         meter = SavedActivationMeter(self.model.parameters())
         with meter.hooks():
-            loss, _ = self.step(self.model, (x, y))
+            loss, _ = self.step(self.model, sample)
         del loss
         return meter.peak
 

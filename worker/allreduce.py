@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from wavelet.common.batches import batch_samples, to_device
 from wavelet.common.config import ConfigError, WorkerConfig
 from wavelet.common.evaluation import load_evaluation
 from wavelet.common.job import build_dataset_and_model
@@ -134,10 +135,10 @@ def unused_parameters(model: torch.nn.Module, dataset, job) -> list[str]:
     if job.find_unused_parameters != "auto":
         return []
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    x, y = (t.to(device) for t in dataset.sample_batch(min(job.batch_size, 4)))
+    batch = to_device(dataset.sample_batch(min(job.batch_size, 4)), device)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     try:
-        loss, _ = load_step(job.step)(model, (x, y))
+        loss, _ = load_step(job.step)(model, batch)
         loss.backward()
         return [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     finally:
@@ -274,13 +275,13 @@ class _Rank:
 
     def step(self, epoch: int, iteration: int, batch, lr: float) -> None:
         """Forward, backward (DDP all-reduces gradient buckets meanwhile), update, record."""
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        batch = to_device(batch, self.device, non_blocking=True)
         self.meter.tracing = iteration < self.trace_iters
         self.meter.reset_peak()
         t0, t_start = time.perf_counter(), time.time()
         with self.meter.hooks():
             try:
-                loss, logs = self.training_step(self.ddp, (x, y))
+                loss, logs = self.training_step(self.ddp, batch)
             except RuntimeError as e:
                 if "Expected to have finished reduction" not in str(e):
                     raise
@@ -307,7 +308,7 @@ class _Rank:
             "iter": iteration,
             "clock": iteration,
             "loss": float(loss.detach()),
-            "samples": len(y),
+            "samples": batch_samples(batch),
             "t_forward_start": t_start,
             "t_forward_end": t_end,
             "forward_s": t1 - t0,

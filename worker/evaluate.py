@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
+from wavelet.common.batches import to_device
 from wavelet.common.config import JobConfig
 from wavelet.common.datasets import Dataset, LoaderDataset
 from wavelet.common.evaluation import Evaluation, Metrics, load_evaluation
@@ -29,7 +30,7 @@ def evaluate(
     """The job's metrics on the test set (model in eval mode: BatchNorm uses running
     statistics); top-1 accuracy unless the job names its own evaluation."""
     evaluation = evaluation or Evaluation()
-    batches = ((x.to(device), y.to(device)) for x, y in dataset.test_batches(batch_size))
+    batches = (to_device(batch, device) for batch in dataset.test_batches(batch_size))
     return evaluation(model, batches)
 
 

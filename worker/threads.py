@@ -79,11 +79,11 @@ def probe_threads(
         job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
     )
     part = dataset.part(0, 1, job.seed)
-    x, y = dataset.sample_batch(min(job.batch_size, len(part)))
+    batch = dataset.sample_batch(min(job.batch_size, len(part)))
     step = load_step(job.step, job.precision)
     # under strict turns no two waves' steps overlap: any step that runs faster wide goes wide
     overlap = job.updates != "wave-turns"
-    return choose_threads(model, (x, y), budget, job.waves, step, overlap)
+    return choose_threads(model, batch, budget, job.waves, step, overlap)
 
 
 def computes_one_at_a_time(device: str, choice: ThreadChoice) -> bool:

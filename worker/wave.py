@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from wavelet.common.batches import batch_samples, to_device
 from wavelet.common.config import WorkerConfig
 from wavelet.common.datasets import Dataset, LoaderDataset
 from wavelet.common.evaluation import load_evaluation
@@ -215,7 +216,7 @@ class Wave:
         for epoch in range(first // steps, job.epochs if job.epochs else 1 << 30):
             model.train()
             batches = part.batches(job.batch_size, epoch, job.seed + 7919 * ident.global_index)
-            for skipped, (x, y) in enumerate(batches):
+            for skipped, batch in enumerate(batches):
                 if epoch == first // steps and skipped < first % steps:
                     continue
                 if self.stop.is_set():
@@ -228,7 +229,7 @@ class Wave:
                 )
                 lr_scale = lr_factor(job.lr_schedule, done)
                 pulled = self._step(
-                    model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale
+                    model, meter, client, batch, clock, pulled, epoch, iteration, lr_scale
                 )
                 clock += 1
                 iteration += 1
@@ -242,11 +243,11 @@ class Wave:
             self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
         return pulled
 
-    def _step(self, model, meter, client, x, y, clock, pulled, epoch, iteration, lr_scale):
+    def _step(self, model, meter, client, batch, clock, pulled, epoch, iteration, lr_scale):
         """One iteration: forward while holding the baton (taking the weights of a deferred
         pull as they come), backward, push, and pull (deferred to the next forward with
         ``pull_during_forward``), record."""
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        batch = to_device(batch, self.device, non_blocking=True)
         rec = {
             "kind": "step",
             "wave": self.ident.local,
@@ -258,7 +259,7 @@ class Wave:
         pending = pulled if isinstance(pulled, PendingPull) else None
         baton_wait = self.baton.acquire(self.ident.local)
         t0 = time.perf_counter()
-        loss, forward_s = self.compute(self._forward, model, meter, (x, y), rec, pending)
+        loss, forward_s = self.compute(self._forward, model, meter, batch, rec, pending)
         t1 = time.perf_counter()
         if pending is not None:
             pulled = pending.result()  # all in already: the forward's end waited for the rest
@@ -285,7 +286,7 @@ class Wave:
         rec.update(
             t=time.time(),
             loss=float(loss.detach()),
-            samples=len(y),
+            samples=batch_samples(batch),
             baton_wait_s=baton_wait,
             forward_s=forward_s,
             backward_s=backward_run_s + (t2 - backward_end),
