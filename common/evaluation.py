@@ -16,6 +16,7 @@ import torch
 
 from wavelet.common.batches import pair
 from wavelet.common.imports import import_callable
+from wavelet.common.step import not_logits
 
 Metrics = dict[str, float]
 
@@ -28,7 +29,10 @@ def accuracy(model: torch.nn.Module, batches: Iterable) -> Metrics:
             x, y = pair(batch, "evaluation accuracy")
         except ValueError as e:
             raise EvaluateError(str(e)) from None
-        correct += int((model(x).argmax(1) == y).sum())
+        out = model(x)
+        if not isinstance(out, torch.Tensor):
+            raise EvaluateError(f"evaluation accuracy: {not_logits(out)}")
+        correct += int((out.argmax(1) == y).sum())
         seen += len(y)
     return {"accuracy": correct / max(1, seen)}
 

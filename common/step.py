@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from wavelet.common.batches import pair
+from wavelet.common.batches import describe, pair
 from wavelet.common.imports import import_callable
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ def classification_step(model: torch.nn.Module, batch) -> torch.Tensor:
     except ValueError as e:
         raise StepError(str(e)) from None
     out = model(x)
+    if not isinstance(out, torch.Tensor):
+        raise StepError(f"step classification: {not_logits(out)}")
     if out.dim() < 2 or out.shape[1] < 2:
         # one output column: cross-entropy over one class is 0 whatever the model does
         raise StepError(
@@ -44,6 +46,14 @@ def classification_step(model: torch.nn.Module, batch) -> torch.Tensor:
             "(a regression, say) pass --step package.module:function"
         )
     return F.cross_entropy(out, y)
+
+
+def not_logits(out: Any) -> str:
+    """Why a model's output ``out`` (not a tensor) cannot be scored as class logits."""
+    return (
+        f"the model returned {describe(out)}, not a tensor of class logits; pass --step "
+        "package.module:function (and --evaluate) to read outputs of that form"
+    )
 
 
 BUILTIN_STEPS: dict[str, Callable[..., Any]] = {"classification": classification_step}

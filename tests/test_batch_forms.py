@@ -1,7 +1,8 @@
 """Batches of any form a user's collate_fn makes (a dict of tensors, a tuple of three, named
 tuples, nested): every mode moves them to its device whole and counts samples by the leading
 dimension, the user's step and evaluation read them as they are, and the built-in step and
-evaluation, which need (inputs, targets), refuse other forms before anything starts."""
+evaluation, which need (inputs, targets) and a tensor of logits, refuse other forms before
+anything starts."""
 
 import json
 from collections import namedtuple
@@ -130,3 +131,16 @@ def test_dict_batches_train_with_the_users_step_and_evaluation(project, mode):
     ]
     samples = {r["samples"] for r in steps if r["kind"] == "step"}
     assert samples and samples == {r["batch_size"] for r in steps if r["kind"] == "start"}
+
+
+class DictOutput(torch.nn.Linear):
+    def forward(self, x):
+        return {"logits": super().forward(x)}
+
+
+def test_the_builtin_step_and_evaluation_name_model_outputs_they_cannot_read():
+    model, batch = DictOutput(8, 2), (torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(StepError, match="returned a dict with keys logits, not a tensor"):
+        TrainingStep()(model, batch)
+    with pytest.raises(EvaluateError, match="returned a dict with keys logits, not a tensor"):
+        Evaluation()(model, [batch])

@@ -184,7 +184,7 @@ def test_bf16_runs_the_forward_under_autocast_and_keeps_fp32_parameters():
         p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters()
     )
     fp32 = TrainingStep("classification")(tiny_model(), (x, y))[0]
-    assert abs(float(loss) - float(fp32)) < 0.05  # the same loss, rounded
+    assert abs(loss.item() - fp32.item()) < 0.05  # the same loss, rounded
 
 
 @pytest.mark.timeout(180)
