@@ -39,6 +39,9 @@ class Dataset:
             raise ValueError("dataset inputs and labels differ in length")
         if len(self.train_x) == 0:
             raise ValueError("dataset has no training samples")
+        if len(self.test_x) == 0:
+            raise ValueError("dataset has no test samples: the job could not be scored")
+        at_least("max_shift", self.max_shift, 0)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -255,6 +258,8 @@ def digits(seed: int = 0, test_fraction: float = 0.2, max_shift: int = 1) -> Dat
     """scikit-learn's 8x8 handwritten digits (1797 real images, shipped with scikit-learn).
 
     Training batches are shifted by up to ``max_shift`` pixels (0 turns that off)."""
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"dataset_kwargs.test_fraction must be in (0, 1), got {test_fraction}")
     x_tr, y_tr, x_te, y_te = _digits_split(test_fraction)
     mean, std = x_tr.mean(), x_tr.std()
 
@@ -304,8 +309,8 @@ def synthetic(
     test_size: int = 256,
 ) -> Dataset:
     """Gaussian inputs of any shape, labelled by a fixed random linear teacher (so learnable)."""
+    shape = _checked_sizes(shape, num_classes, train_size, test_size)
     g = torch.Generator().manual_seed(1000 + seed)
-    shape = tuple(int(s) for s in shape)
     x = torch.randn(train_size + test_size, *shape, generator=g)
     teacher = torch.randn(x[0].numel(), num_classes, generator=g)
     y = (x.reshape(len(x), -1) @ teacher).argmax(1)
@@ -326,8 +331,11 @@ def patterns(
     noise; training batches are shifted by up to ``max_shift`` pixels. At the default noise a
     narrow ResNet-18 (width 16) climbs to about 80% test accuracy in a minute on one CPU core,
     so time to accuracy is measurable, and its activations dominate its memory."""
+    shape = _checked_sizes(shape, num_classes, train_size, test_size)
+    if len(shape) != 3:
+        raise ValueError(f"dataset_kwargs.shape must be [channels, height, width], got {shape}")
+    at_least("noise", noise, 0)
     g = torch.Generator().manual_seed(2000 + seed)
-    shape = tuple(int(s) for s in shape)
     channels, size = shape[0], shape[1:]
     coarse = torch.randn(num_classes, channels, 4, 4, generator=g)
     templates = torch.nn.functional.interpolate(coarse, size=size, mode="bilinear")
@@ -338,6 +346,23 @@ def patterns(
     return Dataset(
         x[:train_size], y[:train_size], x[train_size:], y[train_size:], num_classes, max_shift
     )
+
+
+def at_least(name: str, value: float, low: float) -> None:
+    """ValueError naming ``dataset_kwargs.<name>`` unless ``value >= low``."""
+    if not value >= low:
+        raise ValueError(f"dataset_kwargs.{name} must be >= {low}, got {value}")
+
+
+def _checked_sizes(shape, num_classes: int, train_size: int, test_size: int) -> tuple[int, ...]:
+    """A built-in dataset's shape as a tuple, every size checked."""
+    shape = tuple(int(s) for s in shape)
+    if not shape or min(shape) < 1:
+        raise ValueError(f"dataset_kwargs.shape must be sizes >= 1, got {list(shape)}")
+    at_least("num_classes", num_classes, 2)
+    at_least("train_size", train_size, 1)
+    at_least("test_size", test_size, 1)
+    return shape
 
 
 BUILTIN_DATASETS: dict[str, Callable[..., Dataset]] = {

@@ -22,6 +22,7 @@ from wavelet.common.imports import import_callable
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> nn.Module:
+    _at_least_one("hidden", hidden)
     return nn.Sequential(
         nn.Flatten(),
         nn.Linear(math.prod(input_shape), hidden),
@@ -34,6 +35,9 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> nn
 
 def digits_cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 32) -> nn.Module:
     """A small CNN for 8x8 digits (about 240k parameters at the default width)."""
+    _at_least_one("width", width)
+    if len(input_shape) != 3:
+        raise ValueError(f"digits_cnn takes images (channels, height, width), not {input_shape}")
     channels, height, width_px = input_shape
     flat = 2 * width * (height // 2) * (width_px // 2)
     return nn.Sequential(
@@ -96,7 +100,15 @@ class ResNet18(nn.Module):
 
 
 def resnet18(input_shape: tuple[int, ...], num_classes: int, width: int = 64) -> nn.Module:
+    _at_least_one("width", width)
+    if len(input_shape) != 3:
+        raise ValueError(f"resnet18 takes images (channels, height, width), not {input_shape}")
     return ResNet18(input_shape[0], num_classes, width)
+
+
+def _at_least_one(name: str, value: int) -> None:
+    if not value >= 1:
+        raise ValueError(f"model_kwargs.{name} must be >= 1, got {value}")
 
 
 # reentrant: a user's factory may itself call build_model (wrapping a built-in one)

@@ -117,6 +117,8 @@ class Segment:
 
     def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A tensor over ``numel`` elements at byte ``offset``, sharing the segment's memory."""
+        if numel == 0:  # frombuffer refuses a count of 0: an empty tensor shares nothing
+            return torch.empty(0, dtype=dtype)
         return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset)
 
     def pin(self) -> None:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import started, wavelet_cmd
+from conftest import run_wavelet, started, wavelet_cmd
 from helpers import RawClient, client_for, push_header, shard_values, tiny_model
 
 from wavelet.common import shm
@@ -225,3 +225,43 @@ def test_a_gpu_wave_moves_tensors_through_pinned_segments(shard_daemons):
             assert torch.equal(a, b)
     finally:
         c.close()
+
+
+EMPTY_TENSORS = """
+import torch
+from torch import nn
+
+
+class WithEmpty(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.linear = nn.Linear(64, num_classes)
+        self.nothing = nn.Parameter(torch.empty(0))  # a size-0 parameter and buffer
+        self.register_buffer("none", torch.empty(0, 3))
+
+    def forward(self, x):
+        return self.linear(x.flatten(1)) + self.nothing.sum()
+
+
+def with_empty(input_shape, num_classes):
+    return WithEmpty(input_shape, num_classes)
+"""
+
+
+def test_an_empty_tensor_has_a_place_in_a_segment():
+    segment = shm.Segment.create("wavelet-test-empty-", 64)
+    try:
+        assert segment.tensor(64, 0, torch.float32).shape == (0,)
+    finally:
+        segment.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_model_with_empty_tensors_trains_through_shared_memory(tmp_path):
+    (tmp_path / "empties.py").write_text(EMPTY_TENSORS)
+    done = run_wavelet(
+        "launch", "--model", "empties:with_empty", "--transport", "shm", "--epochs", "1",
+        "--threads", "1", "--run-dir", "run", timeout=140, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shm" in done.stdout  # the waves' tensors went through the segments
