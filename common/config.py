@@ -130,6 +130,13 @@ def _optimizer_names() -> dict[str, str]:
 
 _OPTIMIZERS = _optimizer_names()
 
+# torch.optim's optimizers whose step cannot be a shard's update of gradients it was sent
+UNSUPPORTED_OPTIMIZERS = {
+    "lbfgs": "needs a closure that computes the loss again, which a shard cannot call",
+    "sparseadam": "takes sparse gradients, and every mode here sends dense ones",
+    "muon": "updates 2-D weight matrices whole, and shards hold tensors cut into flat chunks",
+}
+
 
 # Defaults per optimizer, under whatever the job's kwargs say: SGD trains with momentum 0.7
 # unless told otherwise (momentum=0 gives plain SGD). Not the usual 0.9: staleness acts as
@@ -182,10 +189,15 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, "optimizer.")
+        if self.name.lower() in UNSUPPORTED_OPTIMIZERS:
+            raise ConfigError(
+                f"optimizer {self.name!r} {UNSUPPORTED_OPTIMIZERS[self.name.lower()]}; choose "
+                "another of torch.optim, e.g. sgd, adam, adamw"
+            )
         if self.name.lower() not in _OPTIMIZERS:
             raise ConfigError(
                 f"optimizer {self.name!r} is not in torch.optim; choose one of "
-                + ", ".join(sorted(_OPTIMIZERS))
+                + ", ".join(sorted(set(_OPTIMIZERS) - set(UNSUPPORTED_OPTIMIZERS)))
             )
         _positive("optimizer.lr", self.lr)
         self._check_arguments()  # bad kwargs fail now, not on a shard
