@@ -354,6 +354,11 @@ class JobConfig:
     lr_schedule: str = setting(
         "cosine", help="learning-rate schedule over the job's budget", choices=LR_SCHEDULES
     )
+    max_grad_norm: float = setting(
+        0.0,
+        help="clip each step's gradients to this L2 norm, over all of them (0: no clipping); "
+        "a wave clips its own before it pushes, all-reduce the averaged ones",
+    )
     # scale: measured first to the target at equal memory (docs/tuning.md, "Update rules")
     stale_policy: str = setting(
         "scale",
@@ -446,7 +451,7 @@ class JobConfig:
             _positive(name, getattr(self, name))
         for name in ("epochs", "eval_every", "memory_trace_iters", "seed", "loader_workers"):
             _non_negative(name, getattr(self, name))
-        for name in ("max_seconds", "eval_every_s"):
+        for name in ("max_seconds", "eval_every_s", "max_grad_norm"):
             _non_negative(name, getattr(self, name))
         for name in (
             "chunk_mib",

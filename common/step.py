@@ -120,6 +120,13 @@ class TrainingStep:
         return out.reshape(()), logs
 
 
+def clip_gradients(parameters, max_norm: float) -> float:
+    """Scale the gradients of ``parameters`` down to L2 norm ``max_norm`` over all of them,
+    as ``torch.nn.utils.clip_grad_norm_`` does; their norm before (a record's ``grad_norm``)."""
+    norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+    return float(norm)
+
+
 def load_step(name: str, precision: str = "fp32") -> TrainingStep:
     """The job's step; ValueError naming the problem if it cannot be imported."""
     return TrainingStep(name, precision)

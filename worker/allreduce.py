@@ -29,7 +29,7 @@ from wavelet.common.models import checkpoint_blocks
 from wavelet.common.protocol import wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
-from wavelet.common.step import AUTOCAST_DTYPES, load_step
+from wavelet.common.step import AUTOCAST_DTYPES, clip_gradients, load_step
 from wavelet.worker.evaluate import TestSnapshots, eval_record, evaluate
 from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory
 from wavelet.worker.metrics import serve_worker_metrics
@@ -244,6 +244,7 @@ class _Rank:
         self.skipped = 0
         self.meter = SavedActivationMeter(self.model.parameters())
         self.training_step = load_step(job.step, job.precision)
+        self.max_grad_norm = job.max_grad_norm
         self.evaluation = load_evaluation(job)
         self.trace_iters = job.memory_trace_iters
         self.eval_every = job.eval_every
@@ -290,6 +291,10 @@ class _Rank:
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         t2 = time.perf_counter()
+        grad_norm = None
+        if self.max_grad_norm:
+            self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients
+            grad_norm = clip_gradients(self.model.parameters(), self.max_grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         scale = self.scaler.get_scale()
@@ -322,6 +327,8 @@ class _Rank:
         }
         if logs:
             record["step_logs"] = logs
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
         self.records.write(record)
         if self.metrics is not None:
             self.metrics.record(wave_name(f"w{self.rank}", 0), record)

@@ -29,7 +29,7 @@ from wavelet.common.protocol import ShardError, wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.sharding import ShardingPlan, model_tensors
-from wavelet.common.step import load_step
+from wavelet.common.step import clip_gradients, load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
 from wavelet.worker.client import PendingPull, PSClient, PullResult, StopRequested
 from wavelet.worker.compute import InlineCompute, SharedCompute
@@ -148,7 +148,8 @@ class Wave:
         )
         # fp16 pushes nothing before its loss scale has seen every gradient
         self.pusher = None
-        if job.push_during_backward and not self.loss_scale.enabled:
+        # fp16's skip and clipping's norm need every gradient: those push after backward
+        if job.push_during_backward and not self.loss_scale.enabled and not job.max_grad_norm:
             self.pusher = PushDuringBackward(dict(model.named_parameters()), client.chunks)
         self.puller = None
         if job.pull_during_forward:
@@ -276,6 +277,8 @@ class Wave:
         if self.ident.global_index == self.job.slow_wave:  # a straggler, on request
             time.sleep((self.job.slow_factor - 1.0) * (backward_end - t0))
         finite = self.loss_scale.unscale(model)  # fp16: an overflowing step is skipped
+        if self.job.max_grad_norm and finite:
+            rec["grad_norm"] = clip_gradients(model.parameters(), self.job.max_grad_norm)
         t2 = time.perf_counter()
         next_pull = push.finish(skip=not finite, defer=self.puller is not None)
         self.loss_scale.update(finite)
