@@ -1,13 +1,17 @@
-"""Building what a job trains (its dataset and model), and checking a job before it starts."""
+"""Building what a job trains (its dataset and model), checking a job before it starts, and
+the trained model a run leaves (``RUN_DIR/model.pt``)."""
 
 from __future__ import annotations
 
+import json
+import os
 import traceback
+from pathlib import Path
 
 import torch
 
 from wavelet.common.batches import batch_samples
-from wavelet.common.config import ConfigError, JobConfig
+from wavelet.common.config import ConfigError, JobConfig, from_dict
 from wavelet.common.datasets import Dataset, LoaderDataset, LoaderSettings, build_dataset
 from wavelet.common.evaluation import EvaluateError, Evaluation, load_evaluation
 from wavelet.common.models import build_model
@@ -31,6 +35,44 @@ def build_dataset_and_model(
         job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
     )
     return dataset, model.to(device)
+
+
+MODEL_FILE = "model.pt"  # the trained model's state_dict, in the run dir
+
+
+def save_trained_model(model: torch.nn.Module, run_dir: str | Path) -> Path:
+    """Write ``model``'s state_dict (on the CPU) to ``RUN_DIR/model.pt``, whole or not at all
+    (written aside, then renamed)."""
+    path = Path(run_dir) / MODEL_FILE
+    aside = path.with_name(f".{MODEL_FILE}.{os.getpid()}")
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save(state, aside)
+    os.replace(aside, path)
+    return path
+
+
+def load_trained_model(
+    run_dir: str | Path, job: JobConfig | None = None, device: str | torch.device = "cpu"
+) -> torch.nn.Module:
+    """The job's model with the weights a run trained (``RUN_DIR/model.pt``), in eval mode;
+    the job from ``RUN_DIR/job.json`` (``wavelet launch`` writes it) unless given."""
+    run_dir = Path(run_dir)
+    path = run_dir / MODEL_FILE
+    if not path.exists():
+        raise ConfigError(
+            f"{run_dir} holds no {MODEL_FILE}: a run writes it when training ends (the "
+            "launcher's or worker's summary, or all-reduce's rank 0)"
+        )
+    if job is None:
+        try:
+            job = from_dict(JobConfig, json.loads((run_dir / "job.json").read_text()))
+        except OSError:
+            raise ConfigError(
+                f"{run_dir} holds no job.json (only wavelet launch writes one): pass the job"
+            ) from None
+    _, model = build_dataset_and_model(job, device)
+    model.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    return model.eval()
 
 
 def check_job(job: JobConfig, total_waves: int, try_one_batch: bool = False) -> None:

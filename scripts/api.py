@@ -7,6 +7,7 @@
     summary = wavelet.launch(job, devices=["cpu"], run_dir="runs/mine")
     print(summary["test_accuracy"], summary["samples_per_s"])
     figures = wavelet.compare(job, modes=["ticktock", "allreduce"], target=0.9)
+    model = wavelet.load_model("runs/mine")  # the trained model, in eval mode
 
 Functions may stand where the command line takes import paths (``model``, ``dataset``, ``step``):
 they are turned into their import path, because every worker is another process that imports
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from wavelet.common.config import ConfigError, JobConfig, LaunchConfig
+from wavelet.common.job import load_trained_model
 from wavelet.common.records import new_run_dir
 
 
@@ -93,3 +95,10 @@ def compare(
 
 
 __all__ = ["ConfigError", "JobConfig", "JobFailed", "LaunchConfig", "compare", "launch"]
+
+
+def load_model(run_dir: str | Path, job: JobConfig | None = None, device: str = "cpu"):
+    """The model a run trained, in eval mode: the job's model (from ``RUN_DIR/job.json``, which
+    ``launch`` writes, unless ``job`` is given) with the weights in ``RUN_DIR/model.pt`` (a
+    plain state_dict, written when training ends: ``torch.load`` reads it too)."""
+    return load_trained_model(run_dir, job, device)

@@ -14,6 +14,7 @@ from pathlib import Path
 from wavelet.common.config import JobConfig
 from wavelet.common.evaluation import format_value
 from wavelet.common.figures import push_staleness
+from wavelet.common.job import MODEL_FILE
 from wavelet.common.protocol import AdminRequest, Op, ShardError
 from wavelet.scripts.plots import staleness_histograms
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
@@ -40,7 +41,7 @@ def summarize(
     (under torchrun; the records here are this node's only)."""
     progress.read()
     if addresses:
-        metrics = evaluate_shards(addresses, job_cfg, keys=keys)
+        metrics = evaluate_shards(addresses, job_cfg, keys=keys, save_to=run_dir)
         stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
         for a in addresses if stop_shards else ():
             call_shard(a, Op.SHUTDOWN, keys=keys, body=AdminRequest(token=admin_token).to_wire())
@@ -71,6 +72,9 @@ def summarize(
         "wire_overflows": sum(progress.wire_overflows.values()),
         "waves": stats,
         "throughput_of": throughput_of,
+        # the trained model's state_dict: the shards' weights pulled above, or all-reduce's
+        # rank 0's (wavelet.load_model builds the model with it)
+        "model": str(run_dir / MODEL_FILE) if (run_dir / MODEL_FILE).exists() else None,
     }
     if job_wide is not None:
         summary.update(
@@ -140,8 +144,12 @@ def format_summary(s: dict) -> str:
             "staleness per wave (updates applied between a wave's read and its push):",
             format_wave_table(s["waves"]),
         ]
-    logs = (Path(s["run_dir"]) / "logs").is_dir()  # a launcher's daemons log there
-    lines.append(f"records{', logs' if logs else ''} and summary.json: {s['run_dir']}")
+    kept = ["records"]
+    if (Path(s["run_dir"]) / "logs").is_dir():  # a launcher's daemons log there
+        kept.append("logs")
+    if s.get("model"):
+        kept.append(f"the trained model ({MODEL_FILE})")
+    lines.append(f"{', '.join(kept)} and summary.json: {s['run_dir']}")
     return "\n".join(lines)
 
 

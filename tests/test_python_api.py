@@ -8,10 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import wavelet
 from wavelet.common.config import JobConfig
+from wavelet.common.job import build_dataset_and_model
 from wavelet.common.models import build_model
+from wavelet.worker.evaluate import evaluate
 
 PARTS = """
 import itertools
@@ -58,6 +61,7 @@ def parts(tmp_path, monkeypatch):
 def test_the_package_is_the_api():
     assert wavelet.JobConfig is JobConfig
     assert callable(wavelet.launch) and callable(wavelet.compare)
+    assert callable(wavelet.load_model)
     assert issubclass(wavelet.ConfigError, ValueError)
 
 
@@ -108,6 +112,26 @@ def test_launch_from_python_trains_with_the_users_functions_and_returns_the_summ
     assert summary["test_accuracy"] > 0.3  # 3x chance after 3 epochs: it learned
     saved = json.loads(open("run/job.json").read())
     assert (saved["model"], saved["step"]) == ("myparts:small_mlp", "myparts:smooth_step")
+    _the_trained_model_scores_what_the_summary_says("run", summary)
+
+
+@pytest.mark.timeout(200)
+def test_all_reduce_leaves_its_trained_model_too(parts):
+    job = wavelet.JobConfig(model=parts.small_mlp, epochs=2)
+    summary = wavelet.launch(job, run_dir="run", mode="allreduce", quiet=True)
+    _the_trained_model_scores_what_the_summary_says("run", summary)
+
+
+def _the_trained_model_scores_what_the_summary_says(run_dir, summary):
+    """``wavelet.load_model`` rebuilds the job's model from job.json with the run's weights
+    (model.pt, a plain state_dict), and it scores the summary's final accuracy."""
+    assert summary["model"] == f"{run_dir}/model.pt"
+    model = wavelet.load_model(run_dir)
+    assert not model.training
+    dataset, _ = build_dataset_and_model(JobConfig())
+    assert evaluate(model, dataset, torch.device("cpu"))["accuracy"] == summary["test_accuracy"]
+    state = torch.load(summary["model"], weights_only=True)
+    assert state.keys() == model.state_dict().keys()
 
 
 @pytest.mark.timeout(200)

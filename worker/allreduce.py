@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from wavelet.common.batches import batch_samples, to_device
 from wavelet.common.config import ConfigError, WorkerConfig
 from wavelet.common.evaluation import load_evaluation
-from wavelet.common.job import build_dataset_and_model
+from wavelet.common.job import build_dataset_and_model, save_trained_model
 from wavelet.common.models import checkpoint_blocks
 from wavelet.common.protocol import wave_name
 from wavelet.common.records import RecordWriter
@@ -211,9 +211,8 @@ class _Rank:
         job = cfg.job
         self.device = device
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.records = RecordWriter(
-            Path(cfg.run_dir) / "records" / f"worker-{self.rank}-wave-0.jsonl"
-        )
+        self.run_dir = Path(cfg.run_dir)
+        self.records = RecordWriter(self.run_dir / "records" / f"worker-{self.rank}-wave-0.jsonl")
         self.metrics, self.endpoint = serve_worker_metrics(cfg, self.rank)
         self.dataset, self.model = build_dataset_and_model(job, device)
         if job.activation_checkpointing:
@@ -344,6 +343,7 @@ class _Rank:
         if self.endpoint is not None:
             self.endpoint.stop()
         if self.rank == 0 and evaluated:
+            save_trained_model(self.model, self.run_dir)
             metrics = evaluate(self.model, self.dataset, self.device, self.evaluation)
             self.records.write(eval_record("final", self.evaluation, metrics))
             # the copies taken during training (eval_every_s), now that the model is free

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import zmq
@@ -14,7 +15,7 @@ from wavelet.common.batches import to_device
 from wavelet.common.config import JobConfig
 from wavelet.common.datasets import Dataset, LoaderDataset
 from wavelet.common.evaluation import Evaluation, Metrics, load_evaluation
-from wavelet.common.job import build_dataset_and_model
+from wavelet.common.job import build_dataset_and_model, save_trained_model
 from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.worker.client import PSClient
@@ -138,8 +139,10 @@ def evaluate_shards(
     device: str = "cpu",
     context: zmq.Context | None = None,
     keys: ClientKeys | None = None,
+    save_to: Path | None = None,
 ) -> Metrics:
-    """Pull the shards' current weights and buffers (as an observer) and test them."""
+    """Pull the shards' current weights and buffers (as an observer) and test them; with
+    ``save_to`` (a run dir) the model they make is written there first (``model.pt``)."""
     dataset, model = build_dataset_and_model(job, device)
     plan = ShardingPlan.for_job(model, job)
     tensors = {name: t for name, t, _ in model_tensors(model)}
@@ -150,4 +153,6 @@ def evaluate_shards(
         client.pull(0, observer=True, master=True)  # the trained model, not its wire copy
     finally:
         client.close()
+    if save_to is not None:
+        save_trained_model(model, save_to)
     return evaluate(model, dataset, torch.device(device), load_evaluation(job))

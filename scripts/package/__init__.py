@@ -1,5 +1,6 @@
 """The top-level ``wavelet`` package (setup.cfg maps it to this folder): the Python API of
-scripts/api.py, ``wavelet.JobConfig``, ``wavelet.launch`` and ``wavelet.compare``; the layers
+scripts/api.py, ``wavelet.JobConfig``, ``wavelet.launch``, ``wavelet.compare`` and
+``wavelet.load_model``; the layers
 are its subpackages ``wavelet.common``, ``wavelet.ps``, ``wavelet.worker`` and
 ``wavelet.scripts``.
 
@@ -11,10 +12,26 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__all__ = ["ConfigError", "JobConfig", "JobFailed", "LaunchConfig", "compare", "launch"]
+__all__ = [
+    "ConfigError",
+    "JobConfig",
+    "JobFailed",
+    "LaunchConfig",
+    "compare",
+    "launch",
+    "load_model",
+]
 
 if TYPE_CHECKING:
-    from wavelet.scripts.api import ConfigError, JobConfig, JobFailed, LaunchConfig, compare, launch
+    from wavelet.scripts.api import (
+        ConfigError,
+        JobConfig,
+        JobFailed,
+        LaunchConfig,
+        compare,
+        launch,
+        load_model,
+    )
 
 
 def __getattr__(name: str) -> object:
