@@ -26,7 +26,8 @@ def test_a_worker_started_by_hand_reports_its_run_and_leaves_the_shards_serving(
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert f"records in {run_dir / 'records'}" in out
-    assert f"records and summary.json: {run_dir}" in out  # no logs: its output is the user's
+    # no logs (its output is the user's); the shards' weights as the trained model
+    assert f"records, the trained model (model.pt) and summary.json: {run_dir}" in out
     assert "final test accuracy: " in out and "samples/s" in out, out
     assert "staleness per wave" in out and "w0/0" in out and "w0/1" in out, out
     summary = json.loads((run_dir / "summary.json").read_text())
