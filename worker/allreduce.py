@@ -8,6 +8,7 @@ wave's, so reports treat both modes alike.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -110,42 +111,21 @@ class UnusedParameterError(RuntimeError):
     """DDP could not finish a step's reduction: a trainable parameter got no gradient on some
     rank. Says which setting fixes it, in the words of this project's config."""
 
-    def __init__(self, setting: str, unused: list[str], iteration: int):
+    def __init__(self, setting: str, searching: bool, iteration: int):
         if setting == "never":
             fix = 'set find_unused_parameters = "auto" (the default) or "always"'
-        elif setting == "auto" and not unused:
+        elif not searching:  # auto, and the first step gave every parameter a gradient
             fix = (
-                "the step at the start gave every parameter one: for a model whose unused "
-                'parameters change from step to step, set find_unused_parameters = "always"'
+                "the first step gave every parameter one; for a model whose unused parameters "
+                'change from step to step, set find_unused_parameters = "always"'
             )
-        else:  # DDP looked for them: a rank used parameters the others did not
-            fix = "every rank's step must leave the same parameters unused"
+        else:
+            fix = "DDP was looking for unused parameters: let every output of the forward count"
         super().__init__(
             f"all-reduce: a trainable parameter got no gradient in step {iteration} (counting "
             f"from 1), so DDP cannot finish its reduction: {fix} (--set "
             "find_unused_parameters=...), or give every parameter a part in the loss"
         )
-
-
-def unused_parameters(model: torch.nn.Module, dataset, job) -> list[str]:
-    """Names of the trainable parameters that one step of the job (fp32, on a few samples)
-    leaves without a gradient: DDP must then look for unused parameters, or it waits for their
-    gradients and fails at the next step. Nothing changes: the model's buffers (BatchNorm
-    statistics) are put back and its gradients cleared. ``[]`` unless ``job`` asks for auto."""
-    if job.find_unused_parameters != "auto":
-        return []
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    batch = to_device(dataset.sample_batch(min(job.batch_size, 4)), device)
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    try:
-        loss, _ = load_step(job.step)(model, batch)
-        loss.backward()
-        return [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    finally:
-        model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -217,23 +197,14 @@ class _Rank:
         self.dataset, self.model = build_dataset_and_model(job, device)
         if job.activation_checkpointing:
             checkpoint_blocks(self.model)
+        self.wire_dtype = job.wire_dtype
+        # auto: DDP looks for unused parameters in the first step, and keeps looking only where
+        # that step left a trainable parameter without a gradient on some rank (DDP alone
+        # would fail at the second step); no extra call of the job's step to find out
         self.unused_setting = job.find_unused_parameters
-        self.unused = unused_parameters(self.model, self.dataset, job)
-        self.find_unused = job.find_unused_parameters == "always" or (
-            job.find_unused_parameters == "auto" and _any_rank(bool(self.unused), device)
-        )
-        if self.unused and job.find_unused_parameters != "never":
-            log.info(
-                "rank %d: one step leaves %s without a gradient: DDP finds unused parameters",
-                self.rank,
-                _names(self.unused),
-            )
-        self.ddp = DistributedDataParallel(
-            self.model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=self.find_unused,
-        )
-        compress_gradients(self.ddp, job.wire_dtype)
+        self.unused: list[str] | None = None if self.unused_setting == "auto" else []
+        self.find_unused = self.unused_setting != "never"
+        self.ddp = self._wrap(self.find_unused)
         fp16 = job.precision == "fp16"
         # fp16 compute scales the loss as DDP users do; a no-op for fp32 and bf16. Not with a
         # fused optimizer: torch's CPU fused SGD takes a step the scaler skipped into its
@@ -268,10 +239,39 @@ class _Rank:
                 "world_size": world,
                 "precision": job.precision,
                 "wire_dtype": job.wire_dtype,
-                "unused_parameters": self.unused,
-                "find_unused_parameters": self.find_unused,
             }
         )
+
+    def _wrap(self, find_unused: bool) -> DistributedDataParallel:
+        """The model under DDP (every rank at once: DDP broadcasts rank 0's weights)."""
+        ddp = DistributedDataParallel(
+            self.model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=find_unused,
+        )
+        compress_gradients(ddp, self.wire_dtype)
+        return ddp
+
+    def _settle_unused(self, unused: list[str]) -> dict:
+        """After the first step under auto: keep DDP looking for unused parameters where that
+        step left some on any rank, else wrap the model again without the search (each step's
+        walk of the autograd graph); what was decided, for the step's record."""
+        self.unused = unused
+        self.find_unused = _any_rank(bool(unused), self.device)
+        if unused:
+            log.info(
+                "rank %d: the first step left %s without a gradient: DDP goes on finding unused "
+                "parameters",
+                self.rank,
+                _names(unused),
+            )
+        if not self.find_unused:
+            # (DDP's own warning of no unused parameters, just logged, is answered here)
+            log.info("the first step gave every parameter a gradient: DDP stops looking")
+            self.ddp = None  # its reducer's hooks go with it, before the new one's are set
+            gc.collect()
+            self.ddp = self._wrap(False)
+        return {"unused_parameters": unused, "find_unused_parameters": self.find_unused}
 
     def step(self, epoch: int, iteration: int, batch, lr: float) -> None:
         """Forward, backward (DDP all-reduces gradient buckets meanwhile), update, record."""
@@ -285,7 +285,9 @@ class _Rank:
             except RuntimeError as e:
                 if "Expected to have finished reduction" not in str(e):
                     raise
-                raise UnusedParameterError(self.unused_setting, self.unused, iteration) from None
+                raise UnusedParameterError(
+                    self.unused_setting, self.find_unused, iteration
+                ) from None
         t_end, t1 = time.time(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
@@ -296,6 +298,11 @@ class _Rank:
             grad_norm = clip_gradients(self.model.parameters(), self.max_grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        unused = None
+        if self.unused is None:  # auto, the first step: which parameters got no gradient
+            unused = [
+                n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None
+            ]
         scale = self.scaler.get_scale()
         self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed
         self.scaler.update()
@@ -328,6 +335,8 @@ class _Rank:
             record["step_logs"] = logs
         if grad_norm is not None:
             record["grad_norm"] = grad_norm
+        if unused is not None:
+            record.update(self._settle_unused(unused))
         self.records.write(record)
         if self.metrics is not None:
             self.metrics.record(wave_name(f"w{self.rank}", 0), record)
