@@ -158,8 +158,8 @@ WIRE_DTYPES = ("fp32", "bf16", "fp16")
 PLACEMENTS = ("size", "layers")  # of chunks on shards (common/sharding.py)
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
-# all-reduce: DDP's find_unused_parameters; auto turns it on where a step at the start leaves a
-# trainable parameter without a gradient (worker/allreduce.py)
+# all-reduce: DDP's find_unused_parameters; auto has DDP look in the first step and go on
+# looking only where that step left a trainable parameter without a gradient (worker/allreduce.py)
 FIND_UNUSED = ("auto", "always", "never")
 # Help texts that more than one config class shows: written once.
 # the launchers' settings for their shards (LaunchConfig, RunConfig)
@@ -425,8 +425,8 @@ class JobConfig:
     )
     find_unused_parameters: str = setting(
         "auto",
-        help="all-reduce: DDP's find_unused_parameters (auto: on where one step at the start "
-        "leaves a trainable parameter without a gradient; always: for models whose unused "
+        help="all-reduce: DDP's find_unused_parameters (auto: on after the first step only where "
+        "it left a trainable parameter without a gradient; always: for models whose unused "
         "parameters change from step to step)",
         choices=FIND_UNUSED,
     )

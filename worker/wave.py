@@ -146,7 +146,6 @@ class Wave:
             job.wire_error_feedback,
             part_bytes=job.pull_part_kib * 1024 if job.pull_during_forward else 0,
         )
-        # fp16 pushes nothing before its loss scale has seen every gradient
         self.pusher = None
         # fp16's skip and clipping's norm need every gradient: those push after backward
         if job.push_during_backward and not self.loss_scale.enabled and not job.max_grad_norm:
