@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from wavelet.common.batches import pair
 from wavelet.common.imports import import_callable
-from wavelet.common.step import not_logits
+from wavelet.common.step import logits_and_targets
 
 Metrics = dict[str, float]
 
@@ -25,13 +24,7 @@ def accuracy(model: torch.nn.Module, batches: Iterable) -> Metrics:
     """Top-1 accuracy of ``model(x)`` against class labels ``y``."""
     correct = seen = 0
     for batch in batches:
-        try:
-            x, y = pair(batch, "evaluation accuracy")
-        except ValueError as e:
-            raise EvaluateError(str(e)) from None
-        out = model(x)
-        if not isinstance(out, torch.Tensor):
-            raise EvaluateError(f"evaluation accuracy: {not_logits(out)}")
+        out, y = logits_and_targets(model, batch, "evaluation accuracy", EvaluateError)
         correct += int((out.argmax(1) == y).sum())
         seen += len(y)
     return {"accuracy": correct / max(1, seen)}

@@ -31,13 +31,7 @@ Logs = dict[str, float]
 
 def classification_step(model: torch.nn.Module, batch) -> torch.Tensor:
     """Cross-entropy of ``model(x)`` against ``y`` for ``batch = (x, y)``."""
-    try:
-        x, y = pair(batch, "step classification")
-    except ValueError as e:
-        raise StepError(str(e)) from None
-    out = model(x)
-    if not isinstance(out, torch.Tensor):
-        raise StepError(f"step classification: {not_logits(out)}")
+    out, y = logits_and_targets(model, batch, "step classification", StepError)
     if out.dim() < 2 or out.shape[1] < 2:
         # one output column: cross-entropy over one class is 0 whatever the model does
         raise StepError(
@@ -48,12 +42,23 @@ def classification_step(model: torch.nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(out, y)
 
 
-def not_logits(out: Any) -> str:
-    """Why a model's output ``out`` (not a tensor) cannot be scored as class logits."""
-    return (
-        f"the model returned {describe(out)}, not a tensor of class logits; pass --step "
-        "package.module:function (and --evaluate) to read outputs of that form"
-    )
+def logits_and_targets(
+    model: torch.nn.Module, batch: Any, what: str, error: type[ValueError]
+) -> tuple[torch.Tensor, Any]:
+    """``(model(x), y)`` of a batch ``(x, y)`` for the built-in step and accuracy (``what``),
+    which need a pair and a model that returns a tensor of class logits: ``error`` naming what
+    they got otherwise."""
+    try:
+        x, y = pair(batch, what)
+    except ValueError as e:
+        raise error(str(e)) from None
+    out = model(x)
+    if not isinstance(out, torch.Tensor):
+        raise error(
+            f"{what}: the model returned {describe(out)}, not a tensor of class logits; pass "
+            "--step package.module:function (and --evaluate) to read outputs of that form"
+        )
+    return out, y
 
 
 BUILTIN_STEPS: dict[str, Callable[..., Any]] = {"classification": classification_step}
