@@ -916,6 +916,10 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
         raise ConfigError(
             f"unknown setting {where + unknown[0]!r}{hint} (known: {', '.join(sorted(names))})"
         )
+    for f in dataclasses.fields(cls):  # a setting with choices: name them, whatever came
+        choices = f.metadata.get("choices")
+        if choices and f.name in data and data[f.name] not in choices:
+            _one_of(where + f.name, data[f.name], choices)
     kwargs = {k: _coerce(hints[k], v, f"{where}{k}") for k, v in data.items()}
     try:
         return cls(**kwargs)

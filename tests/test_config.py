@@ -52,6 +52,7 @@ def test_toml_then_flags_then_set(tmp_path):
         ({"batchsize": 1}, "unknown setting 'batchsize'; did you mean 'batch_size'"),
         ({"optimizer": {"name": "nosuch"}}, "not in torch.optim"),
         ({"optimizer": {"name": "LBFGS"}}, "needs a closure"),
+        ({"find_unused_parameters": 1}, "must be one of auto, always, never, got 1"),
         ({"optimizer": {"name": "sparseadam"}}, "takes sparse gradients"),
         ({"optimizer": {"name": "adam", "kwargs": {"momentum": 0.7}}}, "rejected its arguments"),
         ({"optimizer": {"lr": -1.0}}, "lr must be > 0"),
