@@ -109,16 +109,12 @@ def _probe_stability(config: str | None, batch_size: int, trials: int, threads: 
     best of its first two timed rounds against the best of four: ``trials`` probes of the job's
     model, one thread against ``threads``, one step each in turns, the same steps read both
     ways."""
-    from wavelet.common.datasets import build_dataset
-    from wavelet.common.models import build_model
+    from wavelet.common.job import build_dataset_and_model
     from wavelet.common.step import load_step
     from wavelet.worker.threads import WIDE_GAIN, timed_rounds
 
     job = _job(config, batch_size)
-    dataset = build_dataset(job.dataset, job.seed, None, **job.dataset_kwargs)
-    model = build_model(
-        job.model, dataset.input_shape, dataset.num_classes, job.seed, **job.model_kwargs
-    )
+    dataset, model = build_dataset_and_model(job)
     step = load_step(job.step, job.precision)
     batch = dataset.sample_batch(job.batch_size)
     ratios: dict[int, list[float]] = {2: [], 4: []}

@@ -76,10 +76,8 @@ def _map(batch: Any, fn) -> Any:
 def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):
         return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, (tuple, list)) or isinstance(batch, Mapping):
-        for v in values:
-            found = _first_tensor(v)
-            if found is not None:
-                return found
-    return None
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if not isinstance(batch, (tuple, list)):
+        return None
+    return next((t for t in map(_first_tensor, batch) if t is not None), None)

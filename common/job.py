@@ -4,7 +4,6 @@ the trained model a run leaves (``RUN_DIR/model.pt``)."""
 from __future__ import annotations
 
 import json
-import os
 import traceback
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from wavelet.common.config import ConfigError, JobConfig, from_dict
 from wavelet.common.datasets import Dataset, LoaderDataset, LoaderSettings, build_dataset
 from wavelet.common.evaluation import EvaluateError, Evaluation, load_evaluation
 from wavelet.common.models import build_model
+from wavelet.common.records import save_whole
 from wavelet.common.step import StepError, TrainingStep, load_step
 
 
@@ -41,13 +41,9 @@ MODEL_FILE = "model.pt"  # the trained model's state_dict, in the run dir
 
 
 def save_trained_model(model: torch.nn.Module, run_dir: str | Path) -> Path:
-    """Write ``model``'s state_dict (on the CPU) to ``RUN_DIR/model.pt``, whole or not at all
-    (written aside, then renamed)."""
+    """Write ``model``'s state_dict (on the CPU) to ``RUN_DIR/model.pt``, whole or not at all."""
     path = Path(run_dir) / MODEL_FILE
-    aside = path.with_name(f".{MODEL_FILE}.{os.getpid()}")
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    torch.save(state, aside)
-    os.replace(aside, path)
+    save_whole({k: v.detach().cpu() for k, v in model.state_dict().items()}, path)
     return path
 
 

@@ -1,15 +1,34 @@
-"""Run records: JSON lines written as training goes, read back by the launcher and reports; and
-the run dirs that hold them."""
+"""Run records: JSON lines written as training goes, read back by the launcher and reports; the
+run dirs that hold them, and files of theirs written whole (checkpoints, the trained model)."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
+
+
+def save_whole(obj: Any, path: Path) -> None:
+    """``torch.save(obj)`` to ``path`` whole or not at all, and on disk when it returns:
+    written aside, synced, renamed over ``path``, the folder synced."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a crash only once the folder is on disk
+    finally:
+        os.close(fd)
 
 
 def new_run_dir(kind: str = "", root: str | Path = "runs") -> Path:

@@ -5,7 +5,6 @@ a crash at any moment leaves the last complete checkpoint readable; read back on
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import torch
 
 from wavelet.common.config import PSConfig
 from wavelet.common.protocol import ErrorCode, ProtocolError
-from wavelet.common.records import RecordWriter, last_record
+from wavelet.common.records import RecordWriter, last_record, save_whole
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import ClockTable, WaveId
 
@@ -27,17 +26,7 @@ def checkpoint_path(run_dir: str | Path, shard_index: int) -> Path:
 
 def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a crash only once the folder is on disk
-    finally:
-        os.close(fd)
+    save_whole(state, path)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any] | None:

@@ -202,7 +202,7 @@ class _Rank:
         # that step left a trainable parameter without a gradient on some rank (DDP alone
         # would fail at the second step); no extra call of the job's step to find out
         self.unused_setting = job.find_unused_parameters
-        self.unused: list[str] | None = None if self.unused_setting == "auto" else []
+        self.settling = self.unused_setting == "auto"  # until the first step has shown
         self.find_unused = self.unused_setting != "never"
         self.ddp = self._wrap(self.find_unused)
         fp16 = job.precision == "fp16"
@@ -256,7 +256,7 @@ class _Rank:
         """After the first step under auto: keep DDP looking for unused parameters where that
         step left some on any rank, else wrap the model again without the search (each step's
         walk of the autograd graph); what was decided, for the step's record."""
-        self.unused = unused
+        self.settling = False
         self.find_unused = _any_rank(bool(unused), self.device)
         if unused:
             log.info(
@@ -299,7 +299,7 @@ class _Rank:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         unused = None
-        if self.unused is None:  # auto, the first step: which parameters got no gradient
+        if self.settling:  # auto, the first step: which parameters got no gradient
             unused = [
                 n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None
             ]
