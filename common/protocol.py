@@ -19,7 +19,9 @@ import msgpack
 import torch
 import zmq
 
-PROTOCOL_VERSION = 3  # 2: weights answered in parts (part_bytes); 3: stats name the update rule
+# 2: weights answered in parts (part_bytes); 3: stats name the update rule; 4: pushes name the
+# chunks they carry no gradient for (PushRequest.absent)
+PROTOCOL_VERSION = 4
 
 # A header is small; anything bigger is a malformed or hostile message.
 MAX_HEADER_BYTES = 1 << 20
@@ -327,10 +329,16 @@ class PushRequest(Body):
     shm: bool = False  # the gradients are in the wave's push segment, not in tensor frames
     skip: bool = False  # no gradients this clock (fp16 overflow): the clock passes, nothing else
     part_bytes: int = 0  # the weights that come back: as PullRequest.part_bytes
+    # keys of trainable chunks whose parameters got no gradient (not used by this step's loss):
+    # zeros travel in their place, and the shard leaves them out of the update, as torch's
+    # optimizers skip a parameter whose .grad is None (no weight decay, no momentum step)
+    absent: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.skip and self.shm:
             raise ValueError("a skipped step carries no gradients, in frames or a segment")
+        if self.skip and self.absent:
+            raise ValueError("a skipped step carries no gradients to leave out")
         if not 0.0 <= self.lr_scale <= 1.0:
             raise ValueError(f"lr_scale must be a number in [0, 1], got {self.lr_scale!r}")
         _check_part_bytes(self.part_bytes)

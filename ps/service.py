@@ -304,8 +304,9 @@ class ShardService:
         else:
             tensors = self.datapath.gradients(wave, body.shm, tensors)
             self.shard.check_push(h.keys, tensors)  # frames or a segment: validated alike
+            self.shard.check_absent(body.absent)
             action, lr_scale = self.updates.push(
-                wave, clock, tau, tensors, body.lr_scale, self.stats[wave]
+                wave, clock, tau, tensors, body.absent, body.lr_scale, self.stats[wave]
             )
             self.stats[wave].record_push(tau)
         self.clocks.advance(wave)

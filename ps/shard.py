@@ -174,12 +174,29 @@ class Shard:
                     f"key {spec.key}: {kind} holds NaN or Inf; nothing was applied",
                 )
 
-    def gradients(self, tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The trainable chunks' gradients, in the master dtype (16-bit ones are widened)."""
+    def check_absent(self, absent: Sequence[int]) -> None:
+        """Raise unless ``absent`` names distinct trainable chunks of this shard."""
+        trainable = {s.key for s in self.specs if s.trainable}
+        for key in absent:
+            if key not in trainable:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_KEY,
+                    f"push says key {key} has no gradient, but it is not a trainable chunk "
+                    "of this shard",
+                )
+        if len(set(absent)) != len(absent):
+            raise ProtocolError(ErrorCode.MALFORMED, "push names a chunk without gradient twice")
+
+    def gradients(
+        self, tensors: Sequence[torch.Tensor], absent: Sequence[int] = ()
+    ) -> dict[int, torch.Tensor]:
+        """The trainable chunks' gradients, in the master dtype (16-bit ones are widened),
+        leaving out the ``absent`` ones (parameters the wave's loss did not use)."""
+        skip = set(absent)
         return {
             s.key: t.to(s.desc.torch_dtype)
             for s, t in zip(self.specs, tensors, strict=True)
-            if s.trainable
+            if s.trainable and s.key not in skip
         }
 
     def store_buffers(self, wave: object, tensors: Sequence[torch.Tensor]) -> None:
@@ -204,14 +221,15 @@ class Shard:
                 self.buffers[key] = value
 
     def apply(self, grads: dict[int, torch.Tensor], lr_scale: float = 1.0) -> None:
-        """One optimizer step with ``grads`` (already validated); bumps the version."""
+        """One optimizer step with ``grads`` (already validated); bumps the version. A chunk
+        without a gradient there keeps ``.grad = None``, which torch's optimizers skip."""
         if self.optimizer is None:  # no trainable chunks here
             self.version += 1
             self.changes += 1
             return
         self._own_weights()
         for key, p in self.params.items():
-            p.grad = grads[key]
+            p.grad = grads.get(key)
         if lr_scale != 1.0:
             saved = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:

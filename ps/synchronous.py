@@ -55,13 +55,18 @@ class SyncSum:
             self.count, self._lr_sum = 1, lr_scale
             return
         for k, g in grads.items():
-            self._sum[k].add_(g)
+            if k in self._sum:
+                self._sum[k].add_(g)
+            else:  # no earlier push of this clock had a gradient for it
+                self._sum[k] = g.clone()
         self.count += 1
         self._lr_sum += lr_scale
 
     def mean(self) -> tuple[dict[int, torch.Tensor], float, int] | None:
         """The mean gradient, the mean learning-rate factor and how many gradients were
-        averaged (None: every wave skipped); closes the clock."""
+        averaged (None: every wave skipped); closes the clock. A chunk some pushes had no
+        gradient for counts as zero in theirs, and one none had stays out of the update, as
+        DDP averages and leaves alone parameters unused on some or on every rank."""
         assert self.open
         out = None
         if self._sum is not None:

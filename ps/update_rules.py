@@ -111,12 +111,14 @@ class Updates:
         clock: int,
         tau: int,
         tensors: list[torch.Tensor],
+        absent: list[int],
         lr_scale: float,
         stats: WaveStats,
     ) -> tuple[str, float]:
         """Apply a validated push now (asynchronous: as the policy decides) or add it to its
-        group's open sum; returns what was done and the learning-rate factor used."""
-        grads = self.shard.gradients(tensors)
+        group's open sum; returns what was done and the learning-rate factor used. ``absent``:
+        chunks the push has no gradient for, left out of the update."""
+        grads = self.shard.gradients(tensors, absent)
         self.shard.store_buffers(wave, tensors)
         if self.synchronous:
             # The gradients of one clock of a group read the same version: average them.

@@ -1,14 +1,19 @@
 """A model with trainable parameters its loss never uses (a spare head, a branch some steps
 skip): all-reduce has DDP look for unused parameters in the first step and go on looking where
 it found some (DDP alone fails at the second step), and stop looking where it found none; with
-the search turned off the job ends with one line saying which setting to change."""
+the search turned off the job ends with one line saying which setting to change. In every mode
+such a parameter stays as it was, weight decay included, as torch leaves a parameter whose
+gradient is None."""
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_wavelet
 
+from wavelet.common.config import JobConfig, from_dict
+from wavelet.common.job import build_dataset_and_model, load_trained_model
 from wavelet.worker.allreduce import UnusedParameterError
 
 PARTS = """
@@ -58,6 +63,37 @@ def test_all_reduce_trains_a_model_with_a_spare_head(project):
         assert first["find_unused_parameters"] is True
     summary = json.loads((project / "run" / "summary.json").read_text())
     assert summary["test_accuracy"] > 0.3, summary  # 3x chance: it learns
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ("--mode", "allreduce", "--devices", "cpu,cpu"),
+        ("--updates", "async"),  # the policy's path on the shard
+        ("--updates", "wave-turns"),  # the grouped path
+    ],
+    ids=["allreduce", "async", "wave-turns"],
+)
+def test_a_parameter_the_loss_never_uses_is_not_decayed_in_any_mode(project, mode, monkeypatch):
+    done = run_wavelet(
+        "launch", *mode, "--model", "myparts:spare_head", "--optimizer", "adamw",
+        "--lr", "0.01", "--set", "optimizer.kwargs.weight_decay=0.1", "--epochs", "1",
+        "--run-dir", "run", timeout=170, cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    monkeypatch.syspath_prepend(str(project))  # the user's module, as the run imported it
+    trained = load_trained_model(project / "run").state_dict()
+    _, initial = build_dataset_and_model(_job(project / "run"))
+    for name, before in initial.state_dict().items():
+        if name.startswith("spare."):
+            assert torch.equal(trained[name], before), name
+        else:
+            assert not torch.equal(trained[name], before), name  # it trained
+
+
+def _job(run_dir: Path):
+    return from_dict(JobConfig, json.loads((run_dir / "job.json").read_text()))
 
 
 @pytest.mark.timeout(180)

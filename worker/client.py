@@ -219,12 +219,19 @@ class PSClient:
         """Shard ``shard``'s push for ``clock``: its header, and its frames (none when the
         gradients went into its shared-memory segment, or for a skipped step)."""
         shm = self.data.shm(shard) and not skip
+        body = PushRequest(
+            lr_scale=lr_scale,
+            shm=shm,
+            skip=skip,
+            part_bytes=self.part_bytes,
+            absent=[] if skip else self.data.without_gradient(shard),
+        )
         h = self._header(
             Op.PUSH_PULL,
             clock=clock,
             read_version=read_version,
             keys=[] if skip else [c.key for c in self.chunks[shard]],
-            body=PushRequest(lr_scale=lr_scale, shm=shm, skip=skip, part_bytes=self.part_bytes),
+            body=body,
         )
         return h, [] if skip else self.data.gradients(shard)
 

@@ -129,6 +129,14 @@ class WaveDataPath:
             self._gradient_into(c, view)
         return []
 
+    def without_gradient(self, shard: int) -> list[int]:
+        """Keys of ``shard``'s trainable chunks whose parameter has no gradient this step (the
+        loss did not use it): the push carries zeros for them and names them, so that the
+        shard's optimizer leaves them alone as torch's does."""
+        return [
+            c.key for c in self.chunks[shard] if c.trainable and self.tensors[c.name].grad is None
+        ]
+
     def flush(self) -> None:
         """Wait for the device-to-host copies of a message before ZeroMQ reads the buffers."""
         if self._pending_device is not None:
