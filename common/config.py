@@ -14,6 +14,7 @@ import inspect
 import math
 import tomllib
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,9 @@ TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a sha
 # all-reduce: DDP's find_unused_parameters; auto has DDP look in the first step and go on
 # looking only where that step left a trainable parameter without a gradient (worker/allreduce.py)
 FIND_UNUSED = ("auto", "always", "never")
+# which parameters weight decay applies to: all (torch's default), or only those of two or more
+# dimensions (the weights of linear and convolution layers; not biases or norm scales)
+WEIGHT_DECAY_ON = ("all", "matrices")
 # Help texts that more than one config class shows: written once.
 # the launchers' settings for their shards (LaunchConfig, RunConfig)
 SHARDS_CHECKPOINT_EVERY_HELP = "shards checkpoint every N updates (0: only when they stop)"
@@ -186,6 +190,14 @@ class OptimizerConfig:
     kwargs: dict[str, Any] = setting(
         default_factory=dict, help="the optimizer's other arguments, e.g. momentum", flag=""
     )
+    weight_decay_on: str = setting(
+        "all",
+        help="all: weight decay on every parameter (torch's default); matrices: only on "
+        "parameters of two or more dimensions, none on biases, norm scales and other 1-D "
+        "ones (as nanoGPT and timm train transformers)",
+        choices=WEIGHT_DECAY_ON,
+        flag="",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self, "optimizer.")
@@ -201,12 +213,25 @@ class OptimizerConfig:
             )
         _positive("optimizer.lr", self.lr)
         self._check_arguments()  # bad kwargs fail now, not on a shard
+        cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
+        if (
+            self.weight_decay_on != "all"
+            and "weight_decay" not in inspect.signature(cls).parameters
+        ):
+            raise ConfigError(
+                f"optimizer.weight_decay_on = {self.weight_decay_on!r}, but {self.name} has no "
+                'weight decay: leave it "all" or choose an optimizer with one, e.g. adamw'
+            )
 
     @property
     def effective_kwargs(self) -> dict[str, Any]:
         return {**OPTIMIZER_DEFAULTS.get(self.name.lower(), {}), **self.kwargs}
 
-    def build(self, params: list[torch.Tensor], fused: bool = True) -> torch.optim.Optimizer:
+    def build(
+        self, params: list[torch.Tensor], fused: bool = True, ndims: Sequence[int] | None = None
+    ) -> torch.optim.Optimizer:
+        """The optimizer over ``params``; ``ndims``: each one's number of dimensions before any
+        flattening (a shard's chunks are flat), which ``weight_decay_on`` needs."""
         cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
         kwargs = self.effective_kwargs
         # The fused kernels update in one pass: 2x (SGD) to 4x (Adam) faster on a shard's chunks
@@ -215,12 +240,25 @@ class OptimizerConfig:
         chosen = {"fused", "foreach"} & set(kwargs)
         if fused and has_fused and not chosen and all(p.is_floating_point() for p in params):
             kwargs = {**kwargs, "fused": True}
+        groups = self._groups(params, ndims)
         try:
-            return cls(params, lr=self.lr, **kwargs)
+            return cls(groups, lr=self.lr, **kwargs)
         except (TypeError, ValueError, RuntimeError) as e:
             raise ConfigError(
                 f"optimizer {self.name} rejected its arguments {kwargs}: {e}"
             ) from None
+
+    def _groups(self, params: list[torch.Tensor], ndims: Sequence[int] | None) -> list:
+        """``params`` as one group, or with ``weight_decay_on = "matrices"`` as two: those of two
+        or more dimensions, and the rest without weight decay (an empty group is left out)."""
+        if self.weight_decay_on == "all":
+            return params
+        if ndims is None or len(ndims) != len(params):
+            raise ValueError("weight_decay_on needs every parameter's number of dimensions")
+        decayed = [p for p, n in zip(params, ndims, strict=True) if n >= 2]
+        spared = [p for p, n in zip(params, ndims, strict=True) if n < 2]
+        groups = [{"params": decayed}, {"params": spared, "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
 
     def _check_arguments(self) -> None:
         """The optimizer's own checks of its arguments, without building one: a torch.optim

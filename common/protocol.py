@@ -20,7 +20,7 @@ import torch
 import zmq
 
 # 2: weights answered in parts (part_bytes); 3: stats name the update rule; 4: pushes name the
-# chunks they carry no gradient for (PushRequest.absent)
+# chunks they carry no gradient for (PushRequest.absent), init the parameters' dimensions
 PROTOCOL_VERSION = 4
 
 # A header is small; anything bigger is a malformed or hostile message.
@@ -310,6 +310,9 @@ class RegisterRequest(Body):
 class InitRequest(Body):
     trainable: list[bool]  # one flag per key: trained by the optimizer, or a buffer
     wire: list[str] = field(default_factory=list)  # per key, the dtype it travels in
+    # per key, the dimensions of the tensor it was cut from (chunks are flat): the optimizer's
+    # weight_decay_on tells matrices from biases by them; empty: all taken as matrices
+    ndims: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

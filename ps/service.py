@@ -209,7 +209,9 @@ class ShardService:
         return self._reply(peer, h, Ack(self.shard.version))
 
     def rpc_init(self, peer, h: Header, body: InitRequest, tensors) -> Outgoing:
-        seeded = self.shard.initialize(h.plan, h.keys, tensors, body.trainable, body.wire)
+        seeded = self.shard.initialize(
+            h.plan, h.keys, tensors, body.trainable, body.wire, body.ndims
+        )
         return self._reply(peer, h, InitReply(self.shard.version, seeded))
 
     def rpc_pull(self, peer, h: Header, body: PullRequest, tensors) -> list[Outgoing]:

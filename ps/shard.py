@@ -50,6 +50,7 @@ class Shard:
         self.detached = 0  # updates that first moved the parameters to fresh memory
         self.plan = ""
         self.specs: list[ChunkSpec] = []
+        self.ndims: list[int] = []  # per chunk, of the tensor it was cut from
         self.params: dict[int, torch.nn.Parameter] = {}
         self.buffers: dict[int, torch.Tensor] = {}  # initial values, until a wave uploads its own
         self.wave_buffers: dict[object, dict[int, torch.Tensor]] = {}
@@ -76,9 +77,11 @@ class Shard:
         values: Sequence[torch.Tensor],
         trainable: Sequence[bool],
         wire: Sequence[str] = (),
+        ndims: Sequence[int] = (),
     ) -> bool:
         """Seed the shard from a wave's initial weights (full precision, with the dtype each
-        chunk travels in: ``wire``, default its own); returns False if it already was seeded."""
+        chunk travels in: ``wire``, default its own, and the dimensions of the tensor each was
+        cut from: ``ndims``, default 2); returns False if it already was seeded."""
         if self.initialized:
             self.check_plan(plan)
             return False
@@ -96,6 +99,11 @@ class Shard:
         wire = list(wire) or [TensorDesc.of(v).dtype for v in values]
         if len(wire) != len(values):
             raise ProtocolError(ErrorCode.MALFORMED, "init needs one wire dtype per key")
+        ndims = list(ndims) or [2] * len(values)
+        if len(ndims) != len(values) or any(n < 0 for n in ndims):
+            raise ProtocolError(
+                ErrorCode.MALFORMED, "init needs one number of dimensions (>= 0) per key"
+            )
         wire_descs = []
         for v, w in zip(values, wire, strict=True):
             try:
@@ -117,6 +125,7 @@ class Shard:
         # fixed by the plan: whether replies carry this memory itself or 16-bit copies of it
         self._all_native = all(s.wire == s.desc for s in self.specs)
         self._params_sent_as_is = any(s.wire == s.desc for s in self.specs if s.trainable)
+        self.ndims = ndims
         for spec, value in zip(self.specs, values, strict=True):
             if spec.trainable:
                 self.params[spec.key] = torch.nn.Parameter(value.clone())
@@ -125,7 +134,8 @@ class Shard:
         # a shard the plan gave no trainable chunk (more shards than chunks) has nothing to
         # optimise; its pushes still count, as versions, so that clocks and bounds agree
         if self.params:
-            self.optimizer = self.optimizer_config.build(list(self.params.values()))
+            trained = [n for s, n in zip(self.specs, ndims, strict=True) if s.trainable]
+            self.optimizer = self.optimizer_config.build(list(self.params.values()), ndims=trained)
         self.plan = plan
         return True
 
@@ -298,6 +308,7 @@ class Shard:
             state["values"],
             state["trainable"],
             state.get("wire", ()),  # checkpoints before 16-bit wires: every chunk its own dtype
+            state.get("ndims", ()),  # checkpoints before weight_decay_on: all as matrices
         )
         self.version = state["version"]
         if state["optimizer"] is not None and self.optimizer is not None:
@@ -311,6 +322,7 @@ class Shard:
             "values": [v.clone() for v in self.values()],
             "trainable": [s.trainable for s in self.specs],
             "wire": [s.wire.dtype for s in self.specs],
+            "ndims": self.ndims,
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
         }
 

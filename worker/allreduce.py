@@ -209,7 +209,10 @@ class _Rank:
         # fp16 compute scales the loss as DDP users do; a no-op for fp32 and bf16. Not with a
         # fused optimizer: torch's CPU fused SGD takes a step the scaler skipped into its
         # momentum (NaN weights at the first good step, tests/test_mixed_precision.py).
-        self.optimizer = job.optimizer.build(list(self.ddp.parameters()), fused=not fp16)
+        params = list(self.ddp.parameters())
+        self.optimizer = job.optimizer.build(
+            params, fused=not fp16, ndims=[p.dim() for p in params]
+        )
         self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
         self.skipped = 0
         self.meter = SavedActivationMeter(self.model.parameters())

@@ -174,7 +174,9 @@ class PSClient:
             Op.INIT,
             keys=[c.key for c in chunks],
             body=InitRequest(
-                trainable=[c.trainable for c in chunks], wire=[c.wire for c in chunks]
+                trainable=[c.trainable for c in chunks],
+                wire=[c.wire for c in chunks],
+                ndims=[self.data.tensors[c.name].dim() for c in chunks],
             ),
         )
         return h, self.data.weights(shard)
