@@ -196,7 +196,7 @@ class OptimizerConfig:
         "parameters of two or more dimensions, none on biases, norm scales and other 1-D "
         "ones (as nanoGPT and timm train transformers)",
         choices=WEIGHT_DECAY_ON,
-        flag="",
+        flag="--weight-decay-on",
     )
 
     def __post_init__(self) -> None:

@@ -137,7 +137,7 @@ def config_from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
 
 
 _JOB_FIELDS = [f for f in dataclasses.fields(JobConfig) if f.metadata.get("flag") != ""]
-_OPTIMIZER_FLAGS = {"name": "--optimizer", "lr": "--lr"}
+_OPTIMIZER_FLAGS = {"name": "--optimizer", "lr": "--lr", "weight_decay_on": "--weight-decay-on"}
 
 
 def _add_job_flags(p: argparse.ArgumentParser) -> None:

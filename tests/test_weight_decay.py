@@ -29,8 +29,8 @@ def test_weight_decay_spares_biases_when_asked(tmp_path, mode, on, monkeypatch):
     (tmp_path / "zerostep.py").write_text(ZERO_STEP)
     done = run_wavelet(
         "launch", *mode, "--step", "zerostep:zero_loss", "--optimizer", "adamw",
-        "--lr", "0.01", "--set", "optimizer.kwargs.weight_decay=0.5", "--set",
-        f"optimizer.weight_decay_on={on}", "--epochs", "1", "--run-dir", "run",
+        "--lr", "0.01", "--set", "optimizer.kwargs.weight_decay=0.5", "--weight-decay-on",
+        on, "--epochs", "1", "--run-dir", "run",
         timeout=170, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
