@@ -75,7 +75,12 @@ class ShardingPlan:
         wire_dtype: str = "fp32",
         placement: str = "size",
     ) -> ShardingPlan:
-        return cls.build(model_tensors(model), num_shards, chunk_bytes, wire_dtype, placement)
+        plan = cls.build(model_tensors(model), num_shards, chunk_bytes, wire_dtype, placement)
+        frozen = frozen_digest(model)
+        if not frozen:  # a model without frozen parameters keeps the fingerprint it always had
+            return plan
+        fingerprint = hashlib.sha256(f"{plan.fingerprint}/{frozen}".encode()).hexdigest()[:16]
+        return cls(plan.chunks, plan.num_shards, fingerprint)
 
     @classmethod
     def for_job(cls, model: torch.nn.Module, job: JobConfig) -> ShardingPlan:
@@ -157,11 +162,29 @@ def _by_layers(sizes: list[int], num_shards: int) -> list[int]:
 
 
 def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
-    """Every tensor the PS keeps for ``model``: its parameters, then its persistent buffers."""
-    out = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+    """Every tensor the PS keeps for ``model``: its trainable parameters, then its persistent
+    buffers. Frozen parameters (``requires_grad=False``, a pretrained backbone) never travel:
+    as DDP keeps them each rank's own once it starts, they stay each wave's own, the same in
+    every wave at the start (the model is built from the job's seed; ``frozen_digest`` puts
+    their values in the plan's fingerprint, so a wave whose differ is refused)."""
+    out = [(n, p, True) for n, p in model.named_parameters() if p.requires_grad]
     persistent = model.state_dict(keep_vars=True)
     out += [(n, b, False) for n, b in model.named_buffers() if n in persistent]
     return out
+
+
+def frozen_digest(model: torch.nn.Module) -> str:
+    """A digest of the names, dtypes, shapes and values of ``model``'s frozen parameters ("" if
+    it has none)."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return ""
+    h = hashlib.sha256()
+    for name, p in frozen:
+        value = p.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}/{dtype_name(p.dtype)}/{list(p.shape)}".encode())
+        h.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return h.hexdigest()[:16]
 
 
 def chunk_view(tensor: torch.Tensor, chunk: Chunk) -> torch.Tensor:

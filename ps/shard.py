@@ -36,10 +36,11 @@ def _wire_dtype_allowed(master: torch.dtype, wire: torch.dtype) -> bool:
 class Shard:
     """Parameters and optimizer state for the chunks the sharding plan gives this shard.
 
-    Trainable chunks are updated by the optimizer. Buffers (BatchNorm running statistics and other
-    non-trainable state) are not trained: each wave uploads its current values with every push and
-    a pull returns their mean over the waves that uploaded (integer buffers such as
-    ``num_batches_tracked`` take the maximum), so evaluation sees statistics from all the data.
+    Trainable chunks are updated by the optimizer. Buffers (BatchNorm running statistics, other
+    persistent buffers; frozen parameters are not planned) are not trained: each wave uploads its
+    current values with every push and a pull returns their mean over the waves that uploaded
+    (integer buffers such as ``num_batches_tracked`` take the maximum), so evaluation sees
+    statistics from all the data.
     """
 
     def __init__(
@@ -148,7 +149,8 @@ class Shard:
             raise ProtocolError(
                 ErrorCode.PLAN_MISMATCH,
                 "sharding plan differs from this shard's: workers and shards must use the "
-                "same model, shard count and chunk size",
+                "same model (with the same values of its frozen parameters), shard count "
+                "and chunk size",
             )
 
     def check_push(self, keys: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
