@@ -74,9 +74,9 @@ def test_a_wave_whose_frozen_parameters_differ_is_refused_by_name():
 
 @pytest.mark.timeout(180)
 def test_fine_tuning_a_head_moves_only_its_bytes_and_keeps_the_backbone(tmp_path, monkeypatch):
-    (tmp_path / "myparts.py").write_text(PARTS)
+    (tmp_path / "backboneparts.py").write_text(PARTS)
     done = run_wavelet(
-        "launch", "--model", "myparts:backbone", "--transport", "tcp", "--epochs", "3",
+        "launch", "--model", "backboneparts:backbone", "--transport", "tcp", "--epochs", "3",
         "--run-dir", "run", timeout=170, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
