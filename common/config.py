@@ -213,15 +213,16 @@ class OptimizerConfig:
             )
         _positive("optimizer.lr", self.lr)
         self._check_arguments()  # bad kwargs fail now, not on a shard
-        cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
-        if (
-            self.weight_decay_on != "all"
-            and "weight_decay" not in inspect.signature(cls).parameters
-        ):
+        decays = "weight_decay" in inspect.signature(self.optimizer_class).parameters
+        if self.weight_decay_on != "all" and not decays:
             raise ConfigError(
                 f"optimizer.weight_decay_on = {self.weight_decay_on!r}, but {self.name} has no "
                 'weight decay: leave it "all" or choose an optimizer with one, e.g. adamw'
             )
+
+    @property
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
 
     @property
     def effective_kwargs(self) -> dict[str, Any]:
@@ -232,7 +233,7 @@ class OptimizerConfig:
     ) -> torch.optim.Optimizer:
         """The optimizer over ``params``; ``ndims``: each one's number of dimensions before any
         flattening (a shard's chunks are flat), which ``weight_decay_on`` needs."""
-        cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
+        cls = self.optimizer_class
         kwargs = self.effective_kwargs
         # The fused kernels update in one pass: 2x (SGD) to 4x (Adam) faster on a shard's chunks
         # (benchmarks/bench_ps.py). Used where the optimizer has one, unless the job says otherwise.
@@ -266,7 +267,7 @@ class OptimizerConfig:
         which imports torch._dynamo on first use (1.2 s per process here), so a subclass
         stops there. The launcher and the workers, which never step an optimizer, then never
         pay for that import."""
-        cls = getattr(torch.optim, _OPTIMIZERS[self.name.lower()])
+        cls = self.optimizer_class
         checked = type(f"Checked{cls.__name__}", (cls, _ArgumentsOnly), {})
         kwargs = self.effective_kwargs
         try:

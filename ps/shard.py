@@ -26,6 +26,7 @@ class ChunkSpec:
     desc: TensorDesc  # as the shard keeps it (master weights)
     trainable: bool
     wire: TensorDesc  # as it travels
+    ndim: int = 2  # of the tensor it was cut from (weight_decay_on tells matrices by it)
 
 
 def _wire_dtype_allowed(master: torch.dtype, wire: torch.dtype) -> bool:
@@ -51,7 +52,6 @@ class Shard:
         self.detached = 0  # updates that first moved the parameters to fresh memory
         self.plan = ""
         self.specs: list[ChunkSpec] = []
-        self.ndims: list[int] = []  # per chunk, of the tensor it was cut from
         self.params: dict[int, torch.nn.Parameter] = {}
         self.buffers: dict[int, torch.Tensor] = {}  # initial values, until a wave uploads its own
         self.wave_buffers: dict[object, dict[int, torch.Tensor]] = {}
@@ -120,13 +120,12 @@ class Shard:
                 )
             wire_descs.append(desc)
         self.specs = [
-            ChunkSpec(k, TensorDesc.of(v), bool(t), w)
-            for k, v, t, w in zip(keys, values, trainable, wire_descs, strict=True)
+            ChunkSpec(k, TensorDesc.of(v), bool(t), w, n)
+            for k, v, t, w, n in zip(keys, values, trainable, wire_descs, ndims, strict=True)
         ]
         # fixed by the plan: whether replies carry this memory itself or 16-bit copies of it
         self._all_native = all(s.wire == s.desc for s in self.specs)
         self._params_sent_as_is = any(s.wire == s.desc for s in self.specs if s.trainable)
-        self.ndims = ndims
         for spec, value in zip(self.specs, values, strict=True):
             if spec.trainable:
                 self.params[spec.key] = torch.nn.Parameter(value.clone())
@@ -135,7 +134,7 @@ class Shard:
         # a shard the plan gave no trainable chunk (more shards than chunks) has nothing to
         # optimise; its pushes still count, as versions, so that clocks and bounds agree
         if self.params:
-            trained = [n for s, n in zip(self.specs, ndims, strict=True) if s.trainable]
+            trained = [s.ndim for s in self.specs if s.trainable]
             self.optimizer = self.optimizer_config.build(list(self.params.values()), ndims=trained)
         self.plan = plan
         return True
@@ -188,9 +187,8 @@ class Shard:
 
     def check_absent(self, absent: Sequence[int]) -> None:
         """Raise unless ``absent`` names distinct trainable chunks of this shard."""
-        trainable = {s.key for s in self.specs if s.trainable}
         for key in absent:
-            if key not in trainable:
+            if key not in self.params:  # the trainable chunks
                 raise ProtocolError(
                     ErrorCode.UNKNOWN_KEY,
                     f"push says key {key} has no gradient, but it is not a trainable chunk "
@@ -324,7 +322,7 @@ class Shard:
             "values": [v.clone() for v in self.values()],
             "trainable": [s.trainable for s in self.specs],
             "wire": [s.wire.dtype for s in self.specs],
-            "ndims": self.ndims,
+            "ndims": [s.ndim for s in self.specs],
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
         }
 

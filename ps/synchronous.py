@@ -50,14 +50,12 @@ class SyncSum:
         if grads is None:
             return
         if self._sum is None:
-            # cloned: the gradients live in the request's frames, released after the reply
-            self._sum = {k: g.clone() for k, g in grads.items()}
-            self.count, self._lr_sum = 1, lr_scale
-            return
+            self._sum = {}
         for k, g in grads.items():
             if k in self._sum:
                 self._sum[k].add_(g)
-            else:  # no earlier push of this clock had a gradient for it
+            else:  # the first gradient of k this clock; cloned: the gradients live in the
+                # request's frames, released after the reply
                 self._sum[k] = g.clone()
         self.count += 1
         self._lr_sum += lr_scale
