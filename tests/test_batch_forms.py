@@ -116,7 +116,7 @@ def test_the_builtin_step_on_dict_batches_is_refused_before_start(project):
 @pytest.mark.parametrize("mode", ["ps", "allreduce"])
 def test_dict_batches_train_with_the_users_step_and_evaluation(project, mode):
     done = run_wavelet(
-        "launch", "--mode", mode, "--dataset", "myforms:points", "--collate-fn",
+        "launch", "--shards", "1", "--mode", mode, "--dataset", "myforms:points", "--collate-fn",
         "myforms:as_dict", "--step", "myforms:dict_step", "--evaluate",
         "myforms:dict_accuracy", "--model", "mlp", "--epochs", "3", "--threads", "1",
         "--run-dir", "run", timeout=220, cwd=project,

@@ -136,6 +136,8 @@ def test_a_tiny_equal_memory_compare_writes_a_complete_report(tmp_path):
     out = tmp_path / "cmp"
     done = run_wavelet(
         "compare",
+        "--shards",
+        "1",  # sharding is not what this tests: one shard process to start, not two
         "--memory-budget",
         "1.3x",
         "--epochs",

@@ -60,7 +60,8 @@ def project(tmp_path) -> Path:
 @pytest.mark.timeout(240)
 def test_a_metric_to_minimise_drives_progress_summary_and_time_to_target(project):
     done = run_wavelet(
-        "launch", "--evaluate", "myevals:loss_and_accuracy", "--target-metric", "test_loss",
+        "launch", "--shards", "1",
+        "--evaluate", "myevals:loss_and_accuracy", "--target-metric", "test_loss",
         "--target-mode", "min", "--model", "mlp", "--epochs", "3", "--threads", "1",
         "--run-dir", "run", timeout=220, cwd=project,
     )  # fmt: skip
@@ -90,7 +91,8 @@ def test_an_evaluation_without_the_headline_is_refused_before_anything_starts(pr
 @pytest.mark.timeout(240)
 def test_an_evaluation_that_loses_its_headline_stops_the_job_with_one_line(project):
     done = run_wavelet(
-        "launch", "--evaluate", "myevals:headline_for_a_few_samples", "--model", "mlp",
+        "launch", "--shards", "1",
+        "--evaluate", "myevals:headline_for_a_few_samples", "--model", "mlp",
         "--epochs", "1", "--threads", "1", "--run-dir", "run", timeout=220, cwd=project,
     )  # fmt: skip
     assert done.returncode == 1, done.stdout[-2000:]
@@ -107,7 +109,8 @@ def test_copies_tested_after_training_resolve_time_to_target_finer_than_an_epoch
 ):
     run_dir = tmp_path / "run"
     done = run_wavelet(
-        "launch", "--mode", mode, "--devices", devices, "--epochs", "2", "--eval-every-s", "0.01",
+        "launch", "--shards", "1",
+        "--mode", mode, "--devices", devices, "--epochs", "2", "--eval-every-s", "0.01",
         "--run-dir", str(run_dir), timeout=110,
     )  # fmt: skip
     # two ranks: rank 1 ends while rank 0 still tests (its teardown: worker/allreduce.py,

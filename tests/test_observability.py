@@ -103,7 +103,9 @@ def test_tensorboard_scalars_match_the_records(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    done = run_wavelet("launch", "--run-dir", str(run_dir), "--epochs", "3", timeout=110)
+    done = run_wavelet(
+        "launch", "--shards", "1", "--run-dir", str(run_dir), "--epochs", "3", timeout=110
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert not (run_dir / "metrics").exists()  # metrics are off unless asked for
     events = EventAccumulator(str(run_dir / "tensorboard"))

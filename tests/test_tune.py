@@ -46,6 +46,8 @@ def test_tiny_sweep_produces_a_complete_report(tmp_path):
     out = tmp_path / "tune"
     done = run_wavelet(
         "tune",
+        "--shards",
+        "1",  # sharding is not what this tests: one shard process to start, not two
         "--bounds",
         "0,inf",
         "--policies",
