@@ -56,10 +56,10 @@ EOF
 if [ $DRY = 1 ]; then
     DEVICE=cpu
     JOB=(--epochs 1)
-    COMPARE=(--config configs/digits.toml --epochs 0 --max-seconds 3 --target-acc 0.9)
+    COMPARE=(--config configs/digits.toml --epochs 0 --max-seconds 3 --target-acc 0.9 --shards 1)
     MODES=ticktock,allreduce
     CAP=()
-    JOB16=(--epochs 1 --model mlp)  # fp16 convolutions crawl on a CPU
+    JOB16=(--epochs 1 --model mlp --shards 1)  # fp16 convolutions crawl on a CPU
     RUNS16="fp16/ps"  # the path with the most parts; tests cover the others
 else
     DEVICE=cuda:0
@@ -80,7 +80,9 @@ else
 fi
 
 step "3. GPU tests, and the default job on $DEVICE"
-"$PY" -m pytest -m gpu -n 0 -q -p no:cacheprovider tests 2>&1 | tail -5
+# only the files that hold GPU tests: collecting the whole suite imports every test module
+"$PY" -m pytest -m gpu -n 0 -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) 2>&1 \
+    | tail -5
 "${WAVELET[@]}" launch --devices "$DEVICE" "${JOB[@]}" --run-dir "$OUT/default-job" \
     | tail -8
 
