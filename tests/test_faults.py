@@ -25,66 +25,44 @@ from wavelet.worker.evaluate import evaluate_shards
 JOB = ["--epochs", "15"]
 
 
-def _train(tmp_path, shard_daemons, kill_shard: bool):
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killed_shard_restarts_from_its_checkpoint_and_training_finishes(tmp_path, shard_daemons):
     daemons = shard_daemons([*JOB, "--checkpoint-every", "10"], count=2, expect_waves=2)
-    run_dir = tmp_path / ("killed" if kill_shard else "calm")
+    run_dir = tmp_path / "run"
     cmd = wavelet_cmd("worker", *JOB, "--threads", "1", "--run-dir", str(run_dir))
     for a in daemons.addresses:
         cmd += ["--shard", a]
-    with started(cmd, tmp_path / f"{run_dir.name}-worker.log") as worker:
-        if kill_shard:
-            records = run_dir / "records" / "worker-0-wave-0.jsonl"
-            deadline = time.monotonic() + 60
-            while not (records.exists() and records.stat().st_size > 40_000):
-                assert time.monotonic() < deadline and worker.poll() is None
-                time.sleep(0.05)
-            victim = daemons.procs[1]
-            victim.send_signal(signal.SIGKILL)
-            victim.wait(10)
-            time.sleep(0.5)
-            # the same command again, on the same address
-            ps_log = daemons.tmp / "ps-1.log"
-            restart = wavelet_cmd(
-                "ps",
-                *JOB,
-                "--checkpoint-every",
-                "10",
-                "--shards",
-                "2",
-                "--shard-index",
-                "1",
-                "--bind",
-                daemons.addresses[1],
-                "--run-dir",
-                str(daemons.tmp),
-            )
-            with started(restart, daemons.tmp / "ps-1-restarted.log"):
-                assert worker.wait(120) == 0, (tmp_path / "killed-worker.log").read_text()[-3000:]
-                accuracy = evaluate_shards(daemons.addresses, JobConfig())["accuracy"]
-            assert "restored version" in (daemons.tmp / "ps-1-restarted.log").read_text()
-            del ps_log
-        else:
-            assert worker.wait(120) == 0
+    with started(cmd, tmp_path / "worker.log") as worker:
+        records = run_dir / "records" / "worker-0-wave-0.jsonl"
+        deadline = time.monotonic() + 60
+        while not (records.exists() and records.stat().st_size > 40_000):
+            assert time.monotonic() < deadline and worker.poll() is None
+            time.sleep(0.05)
+        victim = daemons.procs[1]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        time.sleep(0.5)
+        # the same command again, on the same address
+        restart = wavelet_cmd(
+            "ps", *JOB, "--checkpoint-every", "10", "--shards", "2", "--shard-index", "1",
+            "--bind", daemons.addresses[1], "--run-dir", str(daemons.tmp),
+        )  # fmt: skip
+        with started(restart, daemons.tmp / "ps-1-restarted.log"):
+            assert worker.wait(120) == 0, (tmp_path / "worker.log").read_text()[-3000:]
             accuracy = evaluate_shards(daemons.addresses, JobConfig())["accuracy"]
+        assert "restored version" in (daemons.tmp / "ps-1-restarted.log").read_text()
     lost = max(
         r.get("lost_updates", 0)
         for w in (0, 1)
         for r in read_records(run_dir / "records" / f"worker-0-wave-{w}.jsonl")
         if r["kind"] == "step"
     )
-    return accuracy, lost
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_killed_shard_restarts_from_its_checkpoint_and_training_finishes(tmp_path, shard_daemons):
-    calm, calm_lost = _train(tmp_path, shard_daemons, kill_shard=False)
-    killed, lost = _train(tmp_path, shard_daemons, kill_shard=True)
-    assert calm_lost == 0
     # at most a checkpoint interval, plus pushes in flight (0 when the kill came right after a
     # checkpoint)
     assert 0 <= lost <= 10 + 2
-    assert killed >= calm - 0.01, (killed, calm)
+    # the bar the uninterrupted default job clears with room to spare (test_launch)
+    assert accuracy >= 0.95, accuracy
 
 
 def test_checkpoint_is_atomic_and_loads_tensors_only(tmp_path, monkeypatch):

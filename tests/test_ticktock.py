@@ -147,9 +147,12 @@ def _run_worker(
     return records
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path, threads):
-    records = _run_worker(shard_daemons, tmp_path, waves=2, threads=threads)
+# Each update rule with one of the thread layouts (a launch costs more than its checks): with
+# 2 threads one thread computes for both waves. Wave turns over TCP, pulling during forward,
+# run with both layouts below.
+@pytest.mark.parametrize("threads, updates", [(1, "async"), (2, "wave-turns")])
+def test_tick_and_tock_take_turns_at_forward(shard_daemons, tmp_path, threads, updates):
+    records = _run_worker(shard_daemons, tmp_path, 2, "--updates", updates, threads=threads)
     steps = {w: [r for r in recs if r["kind"] == "step"] for w, recs in records.items()}
     assert len(steps[0]) == len(steps[1]) > 10
     intervals = sorted(
@@ -168,18 +171,13 @@ def test_forwards_of_tick_and_tock_never_overlap(shard_daemons, tmp_path, thread
         assert r["saved_bytes_peak"] > 0
     traces = [r for r in records[0] if r["kind"] == "memory_trace"]
     assert traces and traces[0]["trace"]
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_wave_turns_read_the_update_the_other_wave_just_made(shard_daemons, tmp_path, threads):
-    records = _run_worker(shard_daemons, tmp_path, 2, "--updates", "wave-turns", threads=threads)
-    steps = {w: [r for r in recs if r["kind"] == "step"] for w, recs in records.items()}
-    assert len(steps[0]) == len(steps[1]) > 10
-    # one worker: each group is one wave, and every update is one wave's push, so tick's step k
-    # reads version 2k on every shard and tock's 2k + 1: the other's update of the same turn
-    for w, recs in steps.items():
-        for k, r in enumerate(recs):
-            assert r["versions_read"] == [2 * k + w] * 2, (w, k, r["versions_read"])
+    if updates == "wave-turns":
+        # one worker: each group is one wave, and every update is one wave's push, so tick's
+        # step k reads version 2k on every shard and tock's 2k + 1: the other's update of the
+        # same turn
+        for w, recs in steps.items():
+            for k, r in enumerate(recs):
+                assert r["versions_read"] == [2 * k + w] * 2, (w, k, r["versions_read"])
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -22,34 +22,42 @@ def zero_loss(model, batch):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    "mode, on",
-    [
-        ((), "matrices"),
-        (("--mode", "allreduce", "--devices", "cpu,cpu"), "matrices"),
-        ((), "all"),  # the same zero-gradient run does decay biases by default
-    ],
-    ids=["ps", "allreduce", "ps-all"],
+    "mode", [(), ("--mode", "allreduce", "--devices", "cpu,cpu")], ids=["ps", "allreduce"]
 )
-def test_weight_decay_spares_biases_when_asked(tmp_path, mode, on, monkeypatch):
+def test_weight_decay_spares_biases_when_asked(tmp_path, mode, monkeypatch):
     (tmp_path / "zerostep.py").write_text(ZERO_STEP)
     done = run_wavelet(
         "launch", *mode, "--step", "zerostep:zero_loss", "--optimizer", "adamw",
         "--lr", "0.01", "--set", "optimizer.kwargs.weight_decay=0.5", "--weight-decay-on",
-        on, "--epochs", "1", "--run-dir", "run",
+        "matrices", "--epochs", "1", "--run-dir", "run",
         timeout=170, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     monkeypatch.syspath_prepend(str(tmp_path))
     trained = load_trained_model(tmp_path / "run").state_dict()
     job = from_dict(JobConfig, json.loads((tmp_path / "run" / "job.json").read_text()))
-    assert job.optimizer.weight_decay_on == on
+    assert job.optimizer.weight_decay_on == "matrices"
     _, initial = build_dataset_and_model(job)
     assert {p.dim() >= 2 for p in initial.parameters()} == {True, False}  # both kinds
     for name, before in initial.named_parameters():
         decayed = not torch.equal(trained[name], before.detach())
-        assert decayed == (on == "all" or before.dim() >= 2), name
+        assert decayed == (before.dim() >= 2), name
         if decayed:  # shrunk toward zero, not moved by a gradient
             assert trained[name].abs().sum() < before.detach().abs().sum(), name
+
+
+@pytest.mark.parametrize("on", ["all", "matrices"])
+def test_zero_gradients_move_a_shards_chunks_by_their_weight_decay_alone(on):
+    """The control of the launches above, on a shard: the same zero gradients decay biases too
+    under the default (all), so that sparing them is the setting's doing."""
+    adamw = OptimizerConfig(name="adamw", lr=0.01, kwargs={"weight_decay": 0.5}, weight_decay_on=on)
+    values = [torch.randn(12), torch.randn(3)]
+    shard = Shard(adamw)
+    shard.initialize("plan", [0, 1], values, [True, True], ndims=[2, 1])
+    shard.apply({k: torch.zeros_like(v) for k, v in zip(shard.keys, values, strict=True)})
+    matrix, bias = shard.values()
+    assert matrix.abs().sum() < values[0].abs().sum()  # shrunk toward zero
+    assert torch.equal(bias, values[1]) == (on == "matrices")
 
 
 def test_a_shard_keeps_its_groups_through_a_checkpoint():
