@@ -55,7 +55,7 @@ EOF
 
 if [ $DRY = 1 ]; then
     DEVICE=cpu
-    JOB=(--epochs 1)
+    JOB=(--epochs 1 --shards 1)
     COMPARE=(--config configs/digits.toml --epochs 0 --max-seconds 3 --target-acc 0.9 --shards 1)
     MODES=ticktock,allreduce
     CAP=()
