@@ -522,8 +522,8 @@ def _add_training_commands(sub) -> None:
 
 def _add_sweep_commands(sub) -> None:
     """compare (one job in several modes) and tune (staleness bounds and policies)."""
-    from wavelet.scripts.compare import BUDGET_MODES, DEFAULT_MODES
-    from wavelet.scripts.compare import MODES as COMPARE_MODES
+    from wavelet.scripts.modes import BUDGET_MODES, DEFAULT_MODES
+    from wavelet.scripts.modes import MODES as COMPARE_MODES
 
     comp = sub.add_parser("compare", help="run one job in several modes and compare them")
     _add_job_flags(comp)

@@ -59,7 +59,8 @@ def test_checkpointing_fits_a_larger_batch_in_the_same_budget():
 def test_waves_that_compute_one_at_a_time_fit_one_waves_batch():
     """A CPU worker whose waves get several cores computes them one at a time: a wave's backward
     ends before the next forward starts, so the budget holds one wave, not 1 + baton_handoff."""
-    from wavelet.scripts.compare import MODES, mode_job, plan_budget
+    from wavelet.scripts.compare import mode_job, plan_budget
+    from wavelet.scripts.modes import MODES
 
     job = JobConfig()
     plan = plan_budget(job, parse_budget("1.3x"), "cpu", "linear")
@@ -78,7 +79,8 @@ def test_waves_that_compute_one_at_a_time_fit_one_waves_batch():
 def test_one_comparison_probes_each_layout_once():
     """Baton modes of one model, batch and cores share one thread probe, and each run gets the
     probe's layout as its threads, so its worker does not probe again."""
-    from wavelet.scripts.compare import MODES, mode_job, plan_budget
+    from wavelet.scripts.compare import mode_job, plan_budget
+    from wavelet.scripts.modes import MODES
 
     job = JobConfig()
     plan = plan_budget(job, parse_budget("1.3x"), "cpu", "linear")

@@ -10,7 +10,8 @@ from helpers import processes_mentioning
 
 from wavelet.common.figures import RunFigures, combined_timeline, peak, run_figures
 from wavelet.common.records import read_records
-from wavelet.scripts.compare import COLUMNS, DEFAULT_MODES, ModeResult, _why, verdict
+from wavelet.scripts.compare import COLUMNS, ModeResult, _why, verdict
+from wavelet.scripts.modes import DEFAULT_MODES
 
 
 def test_combined_timeline_known_answer():

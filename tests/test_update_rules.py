@@ -16,7 +16,8 @@ from wavelet.common.config import (
 )
 from wavelet.common.protocol import Op, encode
 from wavelet.ps.update_rules import corrected_momentum, update_lr_factor
-from wavelet.scripts.compare import DEFAULT_MODES, MODES, default_modes, mode_job
+from wavelet.scripts.compare import default_modes, mode_job
+from wavelet.scripts.modes import DEFAULT_MODES, MODES
 from wavelet.scripts.tune import settings_for
 
 LR = 0.1
