@@ -36,6 +36,11 @@ CHILD_ENV = {
 }
 
 
+# A launch that does not test sharding runs one shard: a shard process costs about 5 s of CPU to
+# start (torch, then torch._dynamo for its optimizer's step) on a suite that keeps both cores busy.
+ONE_SHARD = ("--shards", "1")
+
+
 def wavelet_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "wavelet.scripts.cli", *args]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_wavelet
+from conftest import ONE_SHARD, run_wavelet
 
 from wavelet.common.batches import batch_samples, cloned, pair, to_device
 from wavelet.common.evaluation import EvaluateError, Evaluation
@@ -116,7 +116,7 @@ def test_the_builtin_step_on_dict_batches_is_refused_before_start(project):
 @pytest.mark.parametrize("mode", ["ps", "allreduce"])
 def test_dict_batches_train_with_the_users_step_and_evaluation(project, mode):
     done = run_wavelet(
-        "launch", "--shards", "1", "--mode", mode, "--dataset", "myforms:points", "--collate-fn",
+        "launch", *ONE_SHARD, "--mode", mode, "--dataset", "myforms:points", "--collate-fn",
         "myforms:as_dict", "--step", "myforms:dict_step", "--evaluate",
         "myforms:dict_accuracy", "--model", "mlp", "--epochs", "3", "--threads", "1",
         "--run-dir", "run", timeout=220, cwd=project,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import run_wavelet
+from conftest import ONE_SHARD, run_wavelet
 from torch.nn.parallel import DistributedDataParallel
 
 from wavelet.common.config import ConfigError, JobConfig
@@ -138,8 +138,7 @@ def test_a_tiny_equal_memory_compare_writes_a_complete_report(tmp_path):
     out = tmp_path / "cmp"
     done = run_wavelet(
         "compare",
-        "--shards",
-        "1",  # sharding is not what this tests: one shard process to start, not two
+        *ONE_SHARD,
         "--memory-budget",
         "1.3x",
         "--epochs",

@@ -5,7 +5,7 @@ import signal
 
 import matplotlib.image
 import pytest
-from conftest import run_wavelet, started, wait_for, wavelet_cmd
+from conftest import ONE_SHARD, run_wavelet, started, wait_for, wavelet_cmd
 from helpers import processes_mentioning
 
 from wavelet.common.figures import RunFigures, combined_timeline, peak, run_figures
@@ -76,7 +76,7 @@ def test_compare_report_is_complete_and_matches_the_records(tmp_path):
     # twelve: a 16-bit all-reduce wire runs end to end in test_mixed_precision
     modes = ["ticktock", "ticktock-groups", "single", "procs", "allreduce"]
     done = run_wavelet(
-        "compare", "--shards", "1", "--epochs", "1", "--out", str(out), "--target-acc", "0.5",
+        "compare", *ONE_SHARD, "--epochs", "1", "--out", str(out), "--target-acc", "0.5",
         "--modes", ",".join(modes), timeout=290,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_wavelet
+from conftest import ONE_SHARD, run_wavelet
 from helpers import tiny_model
 
 from wavelet.common.evaluation import EvaluateError, Evaluation, accuracy
@@ -60,7 +60,7 @@ def project(tmp_path) -> Path:
 @pytest.mark.timeout(240)
 def test_a_metric_to_minimise_drives_progress_summary_and_time_to_target(project):
     done = run_wavelet(
-        "launch", "--shards", "1",
+        "launch", *ONE_SHARD,
         "--evaluate", "myevals:loss_and_accuracy", "--target-metric", "test_loss",
         "--target-mode", "min", "--model", "mlp", "--epochs", "3", "--threads", "1",
         "--run-dir", "run", timeout=220, cwd=project,
@@ -91,7 +91,7 @@ def test_an_evaluation_without_the_headline_is_refused_before_anything_starts(pr
 @pytest.mark.timeout(240)
 def test_an_evaluation_that_loses_its_headline_stops_the_job_with_one_line(project):
     done = run_wavelet(
-        "launch", "--shards", "1",
+        "launch", *ONE_SHARD,
         "--evaluate", "myevals:headline_for_a_few_samples", "--model", "mlp",
         "--epochs", "1", "--threads", "1", "--run-dir", "run", timeout=220, cwd=project,
     )  # fmt: skip
@@ -109,7 +109,7 @@ def test_copies_tested_after_training_resolve_time_to_target_finer_than_an_epoch
 ):
     run_dir = tmp_path / "run"
     done = run_wavelet(
-        "launch", "--shards", "1",
+        "launch", *ONE_SHARD,
         "--mode", mode, "--devices", devices, "--epochs", "2", "--eval-every-s", "0.01",
         "--run-dir", str(run_dir), timeout=110,
     )  # fmt: skip

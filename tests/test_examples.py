@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_wavelet
+from conftest import ONE_SHARD, run_wavelet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def test_the_regression_example_learns(tmp_path):
         "launch", "--dataset", "examples.regression:dataset",
         "--model", "examples.regression:model", "--step", "examples.regression:mse_step",
         "--evaluate", "examples.regression:r_squared", "--target-metric", "r2",
-        "--optimizer", "adam", "--lr", "0.003", "--epochs", "4", "--threads", "1", "--shards", "1",
+        "--optimizer", "adam", "--lr", "0.003", "--epochs", "4", "--threads", "1", *ONE_SHARD,
         "--run-dir", str(tmp_path / "run"), timeout=220, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -36,7 +36,7 @@ def test_the_language_model_example_learns_in_every_kind_of_mode(tmp_path):
         "compare", "--dataset", "examples.tiny_lm:dataset", "--model", "examples.tiny_lm:model",
         "--step", "examples.tiny_lm:next_token_step", "--evaluate", "examples.tiny_lm:perplexity",
         "--target-metric", "perplexity", "--target-mode", "min", "--optimizer", "adamw",
-        "--lr", "0.002", "--batch-size", "16", "--epochs", "1", "--shards", "1",
+        "--lr", "0.002", "--batch-size", "16", "--epochs", "1", *ONE_SHARD,
         "--set", "dataset_kwargs.max_bytes=120000", "--target-acc", "64",
         "--modes", ",".join(modes), "--out", str(out), timeout=290, cwd=ROOT,
     )  # fmt: skip

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.data as tud
-from conftest import run_wavelet
+from conftest import ONE_SHARD, run_wavelet
 
 from wavelet.common.datasets import DataError, LoaderDataset, LoaderSettings, build_dataset
 
@@ -139,7 +139,7 @@ def test_samples_from_files_with_a_collate_fn(project):
 @pytest.mark.timeout(240)
 def test_a_dataset_read_from_files_through_loader_workers_trains(project):
     done = run_wavelet(
-        "launch", "--shards", "1",
+        "launch", *ONE_SHARD,
         "--dataset", "mydata:files", "--set", f"dataset_kwargs.root={project / 'data'}",
         "--model", "mlp", "--set", "loader_workers=1", "--collate-fn", "mydata:stack",
         "--epochs", "3", "--threads", "1", "--run-dir", "run", timeout=220, cwd=project,
@@ -167,7 +167,7 @@ def test_a_loader_worker_that_dies_is_one_error_saying_so(project):
 @pytest.mark.timeout(200)
 def test_a_dying_loader_worker_stops_the_job_with_one_line(project):
     done = run_wavelet(
-        "launch", "--shards", "1",
+        "launch", *ONE_SHARD,
         "--dataset", "mydata:dying", "--set", f"dataset_kwargs.root={project / 'data'}",
         "--model", "mlp", "--set", "loader_workers=1", "--epochs", "1", "--threads", "1",
         "--run-dir", "run", timeout=180, cwd=project,

@@ -5,7 +5,7 @@ import json
 import urllib.request
 
 import pytest
-from conftest import run_wavelet, started, wait_for, wavelet_cmd
+from conftest import ONE_SHARD, run_wavelet, started, wait_for, wavelet_cmd
 from prometheus_client.parser import text_string_to_metric_families
 
 from wavelet.common.protocol import Op
@@ -104,7 +104,7 @@ def test_tensorboard_scalars_match_the_records(tmp_path):
 
     run_dir = tmp_path / "run"
     done = run_wavelet(
-        "launch", "--shards", "1", "--run-dir", str(run_dir), "--epochs", "3", timeout=110
+        "launch", *ONE_SHARD, "--run-dir", str(run_dir), "--epochs", "3", timeout=110
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert not (run_dir / "metrics").exists()  # metrics are off unless asked for

@@ -4,7 +4,7 @@ import signal
 
 import matplotlib.image
 import pytest
-from conftest import run_wavelet, started, wait_for, wavelet_cmd
+from conftest import ONE_SHARD, run_wavelet, started, wait_for, wavelet_cmd
 from helpers import processes_mentioning
 
 from wavelet.common.config import ConfigError
@@ -46,8 +46,7 @@ def test_tiny_sweep_produces_a_complete_report(tmp_path):
     out = tmp_path / "tune"
     done = run_wavelet(
         "tune",
-        "--shards",
-        "1",  # sharding is not what this tests: one shard process to start, not two
+        *ONE_SHARD,
         "--bounds",
         "0,inf",
         "--policies",

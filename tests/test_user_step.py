@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_wavelet
+from conftest import ONE_SHARD, run_wavelet
 from helpers import tiny_model
 
 from wavelet.common.step import StepError, TrainingStep
@@ -76,7 +76,7 @@ def _step_logs(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("mode", ["ps", "allreduce"])
 def test_a_users_step_trains_and_logs(project, mode):
     done = run_wavelet(
-        "launch", "--shards", "1", "--mode", mode, "--step", "mysteps:smooth", "--epochs", "2",
+        "launch", *ONE_SHARD, "--mode", mode, "--step", "mysteps:smooth", "--epochs", "2",
         "--run-dir", "run", timeout=220, cwd=project,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -121,7 +121,7 @@ def test_a_wave_whose_step_fails_leaves_the_shards_and_the_other_trains_to_the_e
     """The failed wave leaves at once, so the wave it would hold back (wave turns, the default on
     a CPU; or the staleness bound) goes on now, not after wave_timeout_s (an hour here)."""
     done = run_wavelet(
-        "launch", "--shards", "1",
+        "launch", *ONE_SHARD,
         "--step", "mysteps:fails_once", "--epochs", "2", "--threads", "1",
         "--set", "wave_timeout_s=3600", "--run-dir", "run", timeout=170, cwd=project,
     )  # fmt: skip
@@ -191,7 +191,7 @@ def test_bf16_runs_the_forward_under_autocast_and_keeps_fp32_parameters():
 @pytest.mark.timeout(180)
 def test_a_bf16_job_trains_and_says_so(tmp_path):
     done = run_wavelet(
-        "launch", "--shards", "1",
+        "launch", *ONE_SHARD,
         "--precision", "bf16", "--epochs", "2", "--run-dir", str(tmp_path / "run"),
         timeout=170,
     )  # fmt: skip
