@@ -22,7 +22,7 @@ PY=${PYTHON:-python3}
 step() { echo; echo "=== $* ($(date +%T))"; }
 
 step "1. what this machine lacks, from ./wheels (no network)"
-for module in zmq pytest pytest_timeout xdist; do
+for module in zmq setproctitle pytest pytest_timeout xdist; do
     if ! "$PY" -c "import $module" 2>/dev/null; then
         package=${module//_/-}; [ "$module" = zmq ] && package=pyzmq
         [ "$module" = xdist ] && package=pytest-xdist

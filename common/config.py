@@ -159,6 +159,7 @@ WIRE_DTYPES = ("fp32", "bf16", "fp16")
 PLACEMENTS = ("size", "layers")  # of chunks on shards (common/sharding.py)
 SCHEDULES = ("ticktock", "together")
 TRANSPORTS = ("auto", "shm", "tcp")  # how tensors move between a wave and a shard
+SPAWN_METHODS = ("fork", "exec")  # how the launcher starts its daemons (scripts/forkserver.py)
 # all-reduce: DDP's find_unused_parameters; auto has DDP look in the first step and go on
 # looking only where that step left a trainable parameter without a gradient (worker/allreduce.py)
 FIND_UNUSED = ("auto", "always", "never")
@@ -825,6 +826,12 @@ class LaunchConfig:
         -1,
         help="every daemon serves Prometheus metrics: shard i on BASE+i, worker r on "
         "BASE+shards+r (0: free ports, listed at start; -1: off)",
+    )
+    spawn: str = setting(
+        "fork",
+        help="how daemons start: fork (from one process per job that imported torch once; a "
+        "daemon starts in a fraction of a second) or exec (a fresh Python each, 2-5 s of CPU)",
+        choices=SPAWN_METHODS,
     )
 
     def __post_init__(self) -> None:

@@ -31,7 +31,13 @@ from wavelet.common.records import new_run_dir
 from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
 from wavelet.scripts.report import Progress, format_summary, summarize
 from wavelet.scripts.signals import INTERRUPTED
-from wavelet.scripts.supervisor import Child, ChildDidNotStart, ChildFailed, Job
+from wavelet.scripts.supervisor import (
+    Child,
+    ChildDidNotStart,
+    ChildFailed,
+    Job,
+    start_fork_server,
+)
 from wavelet.scripts.tensorboard_log import RunBoard
 
 READY_TIMEOUT_S = 60.0
@@ -48,9 +54,15 @@ def launch(config: LaunchConfig, quiet: bool = False) -> int:
     config = dataclasses.replace(config, job=config.concrete_job())  # every process, one rule
     job_cfg = _job_per_process(config)
     tasks = len(config.devices) * config.processes_per_device * job_cfg.waves
-    check_job(job_cfg, tasks, try_one_batch=True)
-    run_dir = _prepare_run_dir(config, job_cfg)
-    job = Job(config, run_dir)
+    server = start_fork_server(config)  # its imports run beside the job's trial batch
+    try:
+        check_job(job_cfg, tasks, try_one_batch=True)
+        run_dir = _prepare_run_dir(config, job_cfg)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    job = Job(config, run_dir, _server=server)
     for stale in (run_dir / "metrics").glob("*.url"):  # a resumed run's daemons pick new ones
         stale.unlink()
     # shards take checkpoint and shutdown requests only with this (0600 in the run dir)

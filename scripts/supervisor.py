@@ -2,12 +2,13 @@
 budget), report the first failure, and tear everything down (SIGTERM, a grace period, SIGKILL).
 
 Every child gets SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``), so no daemon is
-orphaned, and its own session, so a Ctrl-C reaches the launcher alone.
+orphaned, and its own session, so a Ctrl-C reaches the launcher alone. Children are forked from
+the job's fork server (``scripts/forkserver.py``) unless ``spawn = "exec"`` or the server could
+not start.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 from wavelet.common.config import LaunchConfig
 from wavelet.common.security import JobKeys
 from wavelet.common.shm import remove_segments, run_prefix
+from wavelet.scripts.forkserver import ForkedChild, ForkServer, ForkServerError, die_with_parent
 
 STOP_GRACE_S = 10.0
 
@@ -26,7 +28,7 @@ STOP_GRACE_S = 10.0
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedChild
     log: Path
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -61,12 +63,12 @@ class ChildDidNotStart(ChildFailed):
         RuntimeError.__init__(self, f"{child.name} could not start: {child.tail(1).strip()}")
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the launcher dies, so no daemon is orphaned."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def start_fork_server(config: LaunchConfig) -> ForkServer | None:
+    """The job's fork server, its imports started now (``Job`` takes it, or starts one itself
+    at the first spawn); None under ``spawn = "exec"``."""
+    if config.spawn != "fork":
+        return None
+    return ForkServer.start(wait=False)
 
 
 @dataclass
@@ -77,6 +79,8 @@ class Job:
     admin_token: str = ""
     children: list[Child] = field(default_factory=list)
     restarts: int = 0
+    _server: ForkServer | None = field(default=None, repr=False)
+    _no_fork_server: bool = False
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         log = self.run_dir / "logs" / f"{name}.log"
@@ -86,6 +90,16 @@ class Job:
         return child
 
     def _popen(self, args: list[str], env: dict[str, str], log: Path, mode: str):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        if server := self._fork_server():
+            try:
+                return server.spawn(args, env, log, append=mode == "ab")
+            except ForkServerError as e:
+                print(
+                    f"warning: {e}; starting daemons with exec from now on (--spawn exec)",
+                    file=sys.stderr,
+                )
+                self._drop_fork_server()
         with open(log, mode) as out:
             return subprocess.Popen(
                 [sys.executable, "-m", "wavelet.scripts.cli", *args],
@@ -93,9 +107,22 @@ class Job:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                preexec_fn=die_with_parent,
+                env=env,
             )
+
+    def _fork_server(self) -> ForkServer | None:
+        if self.config.spawn != "fork" or self._no_fork_server:
+            return None
+        if self._server is None:
+            self._server = start_fork_server(self.config)
+        return self._server
+
+    def _drop_fork_server(self) -> None:
+        self._no_fork_server = True
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     def all_running(self) -> bool:
         return all(c.proc.poll() is None for c in self.children)
@@ -162,4 +189,7 @@ class Job:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         remove_segments(run_prefix(self.run_dir))

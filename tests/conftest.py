@@ -24,6 +24,7 @@ from zmq.utils.garbage import gc as zmq_garbage  # noqa: E402
 from wavelet.common.records import last_record  # noqa: E402
 from wavelet.common.shm import SHM_DIR, remove_segments, run_prefix  # noqa: E402
 from wavelet.ps.checkpoints import checkpoint_path, read_checkpoint  # noqa: E402
+from wavelet.scripts.forkserver import ForkedChild, ForkServer  # noqa: E402
 
 # Tests and the daemons they start share two cores: one torch thread each.
 torch.set_num_threads(1)
@@ -124,6 +125,27 @@ def started(cmd: list[str], log: Path, **kwargs):
             env=CHILD_ENV,
             **kwargs,
         )
+    with _stopped_after(proc):
+        yield proc
+
+
+_fork_server: ForkServer | None = None
+
+
+@contextmanager
+def forked(args: list[str], log: Path):
+    """``wavelet ARGS`` forked, as the launcher starts its daemons, from this test process's
+    fork server (started on first use): a shard started this way costs a fraction of a second
+    of CPU, not the 4-5 s of exec and imports. ``started`` keeps the by-hand path tested."""
+    global _fork_server
+    if _fork_server is None:
+        _fork_server = ForkServer.start(env=CHILD_ENV)
+    with _stopped_after(_fork_server.spawn(list(args), CHILD_ENV, log, append=False)) as proc:
+        yield proc
+
+
+@contextmanager
+def _stopped_after(proc):
     try:
         yield proc
     finally:
@@ -139,14 +161,23 @@ def started(cmd: list[str], log: Path, **kwargs):
 
 
 class ShardDaemons:
-    """``wavelet ps`` processes for one job; ``addresses`` once all are listening."""
+    """``wavelet ps`` processes for one job; ``addresses`` once all are listening. Forked
+    from the tests' fork server, or with ``by_hand`` exec'd as a user starts them."""
 
-    def __init__(self, tmp: Path, job_args: list[str], count: int, expect_waves: int = 0):
+    def __init__(
+        self,
+        tmp: Path,
+        job_args: list[str],
+        count: int,
+        expect_waves: int = 0,
+        by_hand: bool = False,
+    ):
         self.tmp = Path(tempfile.mkdtemp(prefix="shards-", dir=tmp))  # one per set of daemons
         self.job_args = job_args
         self.count = count
         self.expect_waves = expect_waves
-        self.procs: list[subprocess.Popen] = []
+        self.by_hand = by_hand
+        self.procs: list[ForkedChild | subprocess.Popen] = []
         self.addresses: list[str] = []
         self._stack = []
 
@@ -161,7 +192,7 @@ class ShardDaemons:
         readies = []
         for i in range(self.count):
             ready = self.tmp / f"ps-{i}.addr"
-            cmd = wavelet_cmd(
+            args = (
                 "ps",
                 *self.job_args,
                 "--shards",
@@ -177,7 +208,8 @@ class ShardDaemons:
                 "--run-dir",
                 str(self.tmp),
             )
-            cm = started(cmd, self.tmp / f"ps-{i}.log")
+            log = self.tmp / f"ps-{i}.log"
+            cm = started(wavelet_cmd(*args), log) if self.by_hand else forked(args, log)
             self.procs.append(cm.__enter__())
             self._stack.append(cm)
             readies.append(ready)
@@ -207,11 +239,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def shard_daemons(tmp_path):
-    """Factory: ``shard_daemons(job_args, count)`` -> running ShardDaemons, stopped after."""
+    """Factory: ``shard_daemons(job_args, count, ...)`` -> running ShardDaemons, stopped after."""
     running: list[ShardDaemons] = []
 
-    def make(job_args: list[str], count: int = 1, expect_waves: int = 0) -> ShardDaemons:
-        d = ShardDaemons(tmp_path, job_args, count, expect_waves).__enter__()
+    def make(
+        job_args: list[str], count: int = 1, expect_waves: int = 0, by_hand: bool = False
+    ) -> ShardDaemons:
+        d = ShardDaemons(tmp_path, job_args, count, expect_waves, by_hand).__enter__()
         running.append(d)
         return d
 
@@ -223,6 +257,8 @@ def shard_daemons(tmp_path):
 @pytest.fixture(autouse=True, scope="session")
 def no_leftover_processes():
     yield
+    if _fork_server is not None:
+        _fork_server.close()
     leftovers = _children_of(os.getpid())
     for pid in leftovers:
         kill_tree(pid)

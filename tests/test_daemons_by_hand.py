@@ -17,7 +17,7 @@ JOB = ["--epochs", "3"]
 def test_a_worker_started_by_hand_reports_its_run_and_leaves_the_shards_serving(
     tmp_path, shard_daemons
 ):
-    daemons = shard_daemons(JOB, count=2, expect_waves=2)
+    daemons = shard_daemons(JOB, count=2, expect_waves=2, by_hand=True)
     run_dir = tmp_path / "worker"
     shards = [arg for a in daemons.addresses for arg in ("--shard", a)]
     done = run_wavelet(

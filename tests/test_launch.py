@@ -21,15 +21,16 @@ from wavelet.scripts.report import Progress
 def _shard_marker(run_dir: Path, index: int) -> bytes:
     """What only shard ``index``'s command line holds: the file it writes its address to (the
     workers' name it too, as the file they read)."""
-    return b"--ready-file\0" + str(run_dir / f"ps-{index}.addr").encode()
+    return b"--ready-file " + str(run_dir / f"ps-{index}.addr").encode()
 
 
 def _one_process(run_dir: Path, marker: bytes) -> int:
-    """The pid of the job's one process whose command line holds ``marker``."""
+    """The pid of the job's one process whose command line (space-separated, as a forked
+    daemon shows it) holds ``marker``."""
     found = [
         p
         for p in processes_mentioning(str(run_dir))
-        if marker in Path(f"/proc/{p}/cmdline").read_bytes()
+        if marker in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")
     ]
     assert len(found) == 1, found
     return found[0]
@@ -113,7 +114,7 @@ def test_a_dying_child_stops_the_job_and_is_reported(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_daemons_stop_cleanly_on_signals(tmp_path, shard_daemons, sig):
-    daemons = shard_daemons([], count=2, expect_waves=2)
+    daemons = shard_daemons([], count=2, expect_waves=2, by_hand=True)
     cmd = wavelet_cmd(
         "worker", "--epochs", "200", "--threads", "1", "--run-dir", str(tmp_path / "run")
     )

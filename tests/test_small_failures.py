@@ -6,7 +6,6 @@ import os
 import socket
 import stat
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 
@@ -174,19 +173,23 @@ def test_a_second_shard_of_the_same_run_dir_leaves_the_live_ones_segments(shard_
 
 
 @pytest.mark.timeout(120)
-def test_shard_fixtures_stop_the_shards_that_started_when_a_later_one_fails(tmp_path, monkeypatch):
-    real_started = conftest.started
+@pytest.mark.parametrize("by_hand", [False, True], ids=["forked", "by-hand"])
+def test_shard_fixtures_stop_the_shards_that_started_when_a_later_one_fails(
+    tmp_path, monkeypatch, by_hand
+):
+    name = "started" if by_hand else "forked"
+    real_start = getattr(conftest, name)
     calls = []
 
     def second_fails(cmd, log, **kwargs):
         calls.append(cmd)
-        if len(calls) == 2:
-            cmd = [sys.executable, "-c", "raise SystemExit('shard 1 cannot start')"]
-        return real_started(cmd, log, **kwargs)
+        if len(calls) == 2:  # a shard that refuses its settings
+            cmd = [*cmd[: cmd.index("ps") + 1], "--staleness", "-3"]
+        return real_start(cmd, log, **kwargs)
 
-    monkeypatch.setattr(conftest, "started", second_fails)
-    daemons = ShardDaemons(tmp_path, [], count=2)
-    with pytest.raises(RuntimeError, match="cannot start"):
+    monkeypatch.setattr(conftest, name, second_fails)
+    daemons = ShardDaemons(tmp_path, [], count=2, by_hand=by_hand)
+    with pytest.raises(RuntimeError, match="staleness"):
         daemons.__enter__()
     assert daemons.procs[0].poll() is not None, "the first shard was left running"
 
