@@ -26,10 +26,12 @@ from wavelet.scripts.budget import (
     largest_batch,
     scaled_lr,
 )
+from wavelet.scripts.forkserver import ForkServer
 from wavelet.scripts.launch import launch, threads_per_process
 from wavelet.scripts.modes import BUDGET_MODES, DEFAULT_MODES, MODES, Mode
 from wavelet.scripts.plots import accuracy_vs_time, memory_timelines
 from wavelet.scripts.signals import INTERRUPTED
+from wavelet.scripts.supervisor import start_fork_server
 from wavelet.worker.threads import ThreadChoice, computes_one_at_a_time, probe_threads
 
 
@@ -175,6 +177,24 @@ def compare(
     if unknown:
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
     out.mkdir(parents=True, exist_ok=True)
+    server = start_fork_server((settings or {}).get("spawn", "fork"))  # one for every mode
+    try:
+        return _compare(job, devices, modes, out, target, settings, budget, server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _compare(
+    job: JobConfig,
+    devices: list[str],
+    modes: list[str],
+    out: Path,
+    target: float,
+    settings: dict | None,
+    budget: BudgetPlan | None,
+    server: ForkServer | None,
+) -> list[ModeResult]:
     results = []
     layouts: dict = {}  # thread probes, one per model, batch and cores
     for name in modes:
@@ -201,7 +221,7 @@ def compare(
                 run_dir=str(run_dir),
                 **launch_settings,
             )
-            code = launch(config, quiet=True)
+            code = launch(config, quiet=True, fork_server=server)
             if code == INTERRUPTED:
                 raise KeyboardInterrupt
             if code != 0:

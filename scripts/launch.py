@@ -29,6 +29,7 @@ from wavelet.common.machine import usable_cores
 from wavelet.common.protocol import ShardError
 from wavelet.common.records import new_run_dir
 from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
+from wavelet.scripts.forkserver import ForkServer
 from wavelet.scripts.report import Progress, format_summary, summarize
 from wavelet.scripts.signals import INTERRUPTED
 from wavelet.scripts.supervisor import (
@@ -49,20 +50,24 @@ FP16_ON_CPU = (
 )
 
 
-def launch(config: LaunchConfig, quiet: bool = False) -> int:
-    """Run the job to the end; 0 on success, 1 if a child failed, ``INTERRUPTED`` on Ctrl-C."""
+def launch(config: LaunchConfig, quiet: bool = False, fork_server: ForkServer | None = None) -> int:
+    """Run the job to the end; 0 on success, 1 if a child failed, ``INTERRUPTED`` on Ctrl-C.
+    ``fork_server``: one the caller keeps for several jobs (``start_fork_server``), so that its
+    imports are paid once; else the job starts and stops its own."""
     config = dataclasses.replace(config, job=config.concrete_job())  # every process, one rule
     job_cfg = _job_per_process(config)
     tasks = len(config.devices) * config.processes_per_device * job_cfg.waves
-    server = start_fork_server(config)  # its imports run beside the job's trial batch
+    owned = fork_server is None or config.spawn != "fork"
+    # a server of its own starts now: its imports run beside the job's trial batch
+    server = start_fork_server(config.spawn) if owned else fork_server
     try:
         check_job(job_cfg, tasks, try_one_batch=True)
         run_dir = _prepare_run_dir(config, job_cfg)
     except BaseException:
-        if server is not None:
+        if server is not None and owned:
             server.close()
         raise
-    job = Job(config, run_dir, _server=server)
+    job = Job(config, run_dir, _server=server, _owns_server=owned)
     for stale in (run_dir / "metrics").glob("*.url"):  # a resumed run's daemons pick new ones
         stale.unlink()
     # shards take checkpoint and shutdown requests only with this (0600 in the run dir)

@@ -63,10 +63,11 @@ class ChildDidNotStart(ChildFailed):
         RuntimeError.__init__(self, f"{child.name} could not start: {child.tail(1).strip()}")
 
 
-def start_fork_server(config: LaunchConfig) -> ForkServer | None:
-    """The job's fork server, its imports started now (``Job`` takes it, or starts one itself
-    at the first spawn); None under ``spawn = "exec"``."""
-    if config.spawn != "fork":
+def start_fork_server(spawn: str) -> ForkServer | None:
+    """A fork server, its imports started now, for one job (``Job`` takes it, or starts one
+    itself at its first spawn) or several (``launch(fork_server=...)``: compare's modes); None
+    under ``spawn = "exec"``."""
+    if spawn != "fork":
         return None
     return ForkServer.start(wait=False)
 
@@ -80,6 +81,7 @@ class Job:
     children: list[Child] = field(default_factory=list)
     restarts: int = 0
     _server: ForkServer | None = field(default=None, repr=False)
+    _owns_server: bool = True  # else the caller's, for several jobs: left running at teardown
     _no_fork_server: bool = False
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
@@ -115,14 +117,15 @@ class Job:
         if self.config.spawn != "fork" or self._no_fork_server:
             return None
         if self._server is None:
-            self._server = start_fork_server(self.config)
+            self._server = start_fork_server(self.config.spawn)
+            self._owns_server = True
         return self._server
 
     def _drop_fork_server(self) -> None:
         self._no_fork_server = True
-        if self._server is not None:
+        if self._server is not None and self._owns_server:
             self._server.close()
-            self._server = None
+        self._server = None
 
     def all_running(self) -> bool:
         return all(c.proc.poll() is None for c in self.children)
@@ -189,7 +192,7 @@ class Job:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
-        if self._server is not None:
+        if self._server is not None and self._owns_server:
             self._server.close()
-            self._server = None
+        self._server = None
         remove_segments(run_prefix(self.run_dir))

@@ -25,9 +25,11 @@ from wavelet.common.config import (
 )
 from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
+from wavelet.scripts.forkserver import ForkServer
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time
 from wavelet.scripts.signals import INTERRUPTED
+from wavelet.scripts.supervisor import start_fork_server
 
 
 @dataclasses.dataclass
@@ -112,6 +114,22 @@ def tune(
     job: JobConfig, devices: list[str], settings: list[Setting], out: Path, target: float
 ) -> list[SettingResult]:
     out.mkdir(parents=True, exist_ok=True)
+    server = start_fork_server("fork")  # one for every setting: its imports paid once
+    try:
+        return _tune(job, devices, settings, out, target, server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _tune(
+    job: JobConfig,
+    devices: list[str],
+    settings: list[Setting],
+    out: Path,
+    target: float,
+    server: ForkServer | None,
+) -> list[SettingResult]:
     results = []
     for i, setting in enumerate(settings):
         label = setting.name.replace("=", "").replace(" ", "-")
@@ -124,7 +142,8 @@ def tune(
                 stale_policy=setting.policy,
                 updates=setting.updates,
             )
-            code = launch(LaunchConfig(job=cfg, devices=devices, run_dir=str(run_dir)), quiet=True)
+            config = LaunchConfig(job=cfg, devices=devices, run_dir=str(run_dir))
+            code = launch(config, quiet=True, fork_server=server)
             if code == INTERRUPTED:
                 raise KeyboardInterrupt
             if code != 0:

@@ -37,8 +37,9 @@ CHILD_ENV = {
 }
 
 
-# A launch that does not test sharding runs one shard: a shard process costs about 5 s of CPU to
-# start (torch, then torch._dynamo for its optimizer's step) on a suite that keeps both cores busy.
+# A launch that does not test sharding runs one shard: one process fewer to start, feed, check-
+# point and stop, on a suite that keeps both cores busy (and under --spawn exec, 4-5 s of CPU
+# fewer: torch, then torch._dynamo for the shard's optimizer step).
 ONE_SHARD = ("--shards", "1")
 
 
