@@ -158,11 +158,17 @@ class ForkServer:
             return
         self._closed = True
         self.sock.close()
+        if not self._ready and self.proc.poll() is None:
+            self.proc.terminate()  # still importing: no need to wait for imports nobody uses
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.log_path.name.startswith(TEMP_LOG_PREFIX):  # the server's own cleanup, if killed
+            with contextlib.suppress(OSError):
+                if self.log_path.stat().st_size == 0:
+                    self.log_path.unlink()
 
     def _send(self, message: dict) -> None:
         try:
