@@ -37,6 +37,7 @@ from wavelet.common.config import (
     parse_override,
 )
 from wavelet.common.records import new_run_dir
+from wavelet.scripts.forkserver import ForkServer
 from wavelet.scripts.signals import INTERRUPTED, interrupt_on_sigint, on_signals
 
 log = logging.getLogger(__name__)
@@ -200,10 +201,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from wavelet.scripts.launch import launch
 
     if args.resume:
-        return launch(_resumed(args.resume), quiet=args.quiet)
+        return launch(_resumed(args.resume), quiet=args.quiet, fork_server=args.fork_server)
     # --resume RUN_DIR is handled above; the config's own resume flag is then False, not the path
     config = config_from_args(LaunchConfig, args, job=job_from_args(args), resume=False)
-    return launch(config, quiet=args.quiet)
+    return launch(config, quiet=args.quiet, fork_server=args.fork_server)
 
 
 def _resumed(run_dir: str) -> LaunchConfig:
@@ -297,6 +298,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             args.target_acc,
             {"cuda_memory_gib": args.cuda_memory_gib},
             plan,
+            fork_server=args.fork_server,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -326,7 +328,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     for d in args.devices:
         check_device(d)
     out = Path(args.out) if args.out else new_run_dir("tune")
-    results = tune(job, args.devices, settings, out, args.target_acc)
+    results = tune(job, args.devices, settings, out, args.target_acc, args.fork_server)
     print(format_table(results, args.target_acc))
     print(format_recommendation(results))
     print(f"report: {out / 'report.md'}")
@@ -641,7 +643,26 @@ def _add_tool_commands(sub) -> None:
     keys.set_defaults(run=_cmd_keys)
 
 
-def main(argv: list[str] | None = None) -> int:
+# Commands that start jobs: the fork server their daemons come from is forked from the command
+# itself, before it runs anything (``ForkServer.fork_here``).
+JOB_COMMANDS = (_cmd_launch, _cmd_compare, _cmd_tune)
+
+
+def _job_fork_server(args: argparse.Namespace) -> ForkServer | None:
+    if args.run not in JOB_COMMANDS or getattr(args, "spawn", None) == "exec":
+        return None
+    try:
+        return ForkServer.fork_here()
+    except OSError as e:  # no fork here (limits): each job starts a server of its own
+        print(f"warning: could not fork a fork server ({e})", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str] | None = None, entry_point: bool | None = None) -> int:
+    """Run the command ``argv`` (default: the process's arguments). ``entry_point``: whether
+    this call is the process's own command, returning only to exit (default: without
+    ``argv``, as ``wavelet`` and ``python -m`` call it); only then may a command that starts
+    jobs fork their daemons' server from this process."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level,
@@ -651,11 +672,18 @@ def main(argv: list[str] | None = None) -> int:
     # A user's model or dataset module in the working directory imports, as with python -m.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    # forked before anything runs (a test batch, a user's module), and outside the try below:
+    # the server and its daemons leave by SystemExit through this frame, as from a new Python
+    own_process = argv is None if entry_point is None else entry_point
+    args.fork_server = _job_fork_server(args) if own_process else None
     interrupt_on_sigint()  # daemons replace it with their clean stop (on_signals)
     try:
         return args.run(args)
     except ConfigError as e:
         _usage_exit(str(e))
+    finally:
+        if args.fork_server is not None:
+            args.fork_server.close()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from wavelet.scripts.launch import launch, threads_per_process
 from wavelet.scripts.modes import BUDGET_MODES, DEFAULT_MODES, MODES, Mode
 from wavelet.scripts.plots import accuracy_vs_time, memory_timelines
 from wavelet.scripts.signals import INTERRUPTED
-from wavelet.scripts.supervisor import start_fork_server
+from wavelet.scripts.supervisor import shared_fork_server
 from wavelet.worker.threads import ThreadChoice, computes_one_at_a_time, probe_threads
 
 
@@ -170,19 +170,17 @@ def compare(
     target: float,
     settings: dict | None = None,
     budget: BudgetPlan | None = None,
+    fork_server: ForkServer | None = None,
 ) -> list[ModeResult]:
     """Run ``job`` in each mode; ``settings`` are launch settings every mode shares (e.g. a
-    CUDA memory cap); with ``budget``, each mode at the largest batch that fits it."""
+    CUDA memory cap); with ``budget``, each mode at the largest batch that fits it. Every
+    mode's daemons fork from ``fork_server`` (the caller's), else from one started here."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
     out.mkdir(parents=True, exist_ok=True)
-    server = start_fork_server((settings or {}).get("spawn", "fork"))  # one for every mode
-    try:
+    with shared_fork_server((settings or {}).get("spawn", "fork"), fork_server) as server:
         return _compare(job, devices, modes, out, target, settings, budget, server)
-    finally:
-        if server is not None:
-            server.close()
 
 
 def _compare(

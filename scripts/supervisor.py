@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,21 @@ def start_fork_server(spawn: str) -> ForkServer | None:
     if spawn != "fork":
         return None
     return ForkServer.start(wait=False)
+
+
+@contextmanager
+def shared_fork_server(spawn: str, given: ForkServer | None = None):
+    """One fork server for several jobs (compare's modes, tune's settings: its imports paid
+    once): ``given``, which its caller closes, or one started now and closed after."""
+    if given is not None or spawn != "fork":
+        yield given if spawn == "fork" else None
+        return
+    server = start_fork_server(spawn)
+    try:
+        yield server
+    finally:
+        if server is not None:
+            server.close()
 
 
 @dataclass

@@ -29,7 +29,7 @@ from wavelet.scripts.forkserver import ForkServer
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time
 from wavelet.scripts.signals import INTERRUPTED
-from wavelet.scripts.supervisor import start_fork_server
+from wavelet.scripts.supervisor import shared_fork_server
 
 
 @dataclasses.dataclass
@@ -111,15 +111,18 @@ def settings_for(
 
 
 def tune(
-    job: JobConfig, devices: list[str], settings: list[Setting], out: Path, target: float
+    job: JobConfig,
+    devices: list[str],
+    settings: list[Setting],
+    out: Path,
+    target: float,
+    fork_server: ForkServer | None = None,
 ) -> list[SettingResult]:
+    """Run ``job`` with each setting; every run's daemons fork from ``fork_server`` (the
+    caller's), else from one started here."""
     out.mkdir(parents=True, exist_ok=True)
-    server = start_fork_server("fork")  # one for every setting: its imports paid once
-    try:
+    with shared_fork_server("fork", fork_server) as server:
         return _tune(job, devices, settings, out, target, server)
-    finally:
-        if server is not None:
-            server.close()
 
 
 def _tune(

@@ -47,16 +47,35 @@ def wavelet_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "wavelet.scripts.cli", *args]
 
 
-def run_wavelet(*args: str, timeout: float, cwd=None) -> subprocess.CompletedProcess:
-    """``wavelet ARGS`` to completion, as a user would run it; output captured."""
-    return subprocess.run(
-        wavelet_cmd(*args),
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
+def run_wavelet(
+    *args: str, timeout: float, cwd=None, by_hand: bool = False
+) -> subprocess.CompletedProcess:
+    """``wavelet ARGS`` to completion, output and errors captured: forked from this test
+    process's fork server (``forked``), so the command runs without 2-3 s of imports first, or
+    with ``by_hand`` in a new Python, exactly as a user runs it."""
+    if by_hand:
+        return subprocess.run(
+            wavelet_cmd(*args),
+            env=CHILD_ENV,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+        )
+    with tempfile.TemporaryDirectory(prefix="wavelet-output-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = _test_fork_server().spawn(
+            list(args), CHILD_ENV, out, append=False, err_path=err, cwd=cwd
+        )
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait(10)
+            raise
+        return subprocess.CompletedProcess(
+            wavelet_cmd(*args), code, out.read_text(), err.read_text()
+        )
 
 
 def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.1) -> None:
@@ -133,15 +152,21 @@ def started(cmd: list[str], log: Path, **kwargs):
 _fork_server: ForkServer | None = None
 
 
-@contextmanager
-def forked(args: list[str], log: Path):
-    """``wavelet ARGS`` forked, as the launcher starts its daemons, from this test process's
-    fork server (started on first use): a shard started this way costs a fraction of a second
-    of CPU, not the 4-5 s of exec and imports. ``started`` keeps the by-hand path tested."""
+def _test_fork_server() -> ForkServer:
+    """This test process's fork server, started on first use and stopped after the session."""
     global _fork_server
     if _fork_server is None:
         _fork_server = ForkServer.start(env=CHILD_ENV)
-    with _stopped_after(_fork_server.spawn(list(args), CHILD_ENV, log, append=False)) as proc:
+    return _fork_server
+
+
+@contextmanager
+def forked(args: list[str], log: Path):
+    """``wavelet ARGS`` forked, as the launcher starts its daemons, from this test process's
+    fork server: a shard started this way costs a fraction of a second of CPU, not the 4-5 s of
+    exec and imports. ``started`` keeps the by-hand path tested."""
+    proc = _test_fork_server().spawn(list(args), CHILD_ENV, log, append=False)
+    with _stopped_after(proc):
         yield proc
 
 
@@ -192,28 +217,10 @@ class ShardDaemons:
     def _start(self) -> ShardDaemons:
         readies = []
         for i in range(self.count):
-            ready = self.tmp / f"ps-{i}.addr"
-            args = (
-                "ps",
-                *self.job_args,
-                "--shards",
-                str(self.count),
-                "--shard-index",
-                str(i),
-                "--bind",
-                "tcp://127.0.0.1:0",
-                "--expect-waves",
-                str(self.expect_waves),
-                "--ready-file",
-                str(ready),
-                "--run-dir",
-                str(self.tmp),
-            )
-            log = self.tmp / f"ps-{i}.log"
-            cm = started(wavelet_cmd(*args), log) if self.by_hand else forked(args, log)
+            cm = self._process(self._args(i, "tcp://127.0.0.1:0"), self.tmp / f"ps-{i}.log")
             self.procs.append(cm.__enter__())
             self._stack.append(cm)
-            readies.append(ready)
+            readies.append(self._ready_file(i))
         deadline = time.monotonic() + 60
         for i, ready in enumerate(readies):
             while not ready.exists():
@@ -224,6 +231,26 @@ class ShardDaemons:
                 time.sleep(0.05)
             self.addresses.append(ready.read_text().strip())
         return self
+
+    def restarted(self, i: int, log: Path):
+        """Shard ``i`` started again, after a test killed it, with its own command on its own
+        address (as the launcher restarts one): a context manager, stopped after the block."""
+        return self._process(self._args(i, self.addresses[i]), log)
+
+    def _args(self, i: int, bind: str) -> list[str]:
+        return [
+            "ps",
+            *self.job_args,
+            *("--shards", str(self.count), "--shard-index", str(i), "--bind", bind),
+            *("--expect-waves", str(self.expect_waves), "--ready-file", str(self._ready_file(i))),
+            *("--run-dir", str(self.tmp)),
+        ]
+
+    def _ready_file(self, i: int) -> Path:
+        return self.tmp / f"ps-{i}.addr"
+
+    def _process(self, args: list[str], log: Path):
+        return started(wavelet_cmd(*args), log) if self.by_hand else forked(args, log)
 
     def __exit__(self, *exc) -> None:
         for cm in reversed(self._stack):

@@ -94,6 +94,7 @@ def test_a_model_module_in_the_working_directory_imports(tmp_path):
         "run",
         timeout=110,
         cwd=tmp_path,
+        by_hand=True,  # a new Python in that directory, as the user's
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "final test accuracy" in done.stdout

@@ -21,8 +21,9 @@ def test_a_worker_started_by_hand_reports_its_run_and_leaves_the_shards_serving(
     run_dir = tmp_path / "worker"
     shards = [arg for a in daemons.addresses for arg in ("--shard", a)]
     done = run_wavelet(
-        "worker", *JOB, "--threads", "1", "--run-dir", str(run_dir), *shards, timeout=150
-    )
+        "worker", *JOB, "--threads", "1", "--run-dir", str(run_dir), *shards, timeout=150,
+        by_hand=True,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert f"records in {run_dir / 'records'}" in out

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from conftest import started, wait_for, wavelet_cmd
+from conftest import forked, wait_for
 from helpers import TIMEOUT_S, RawClient, client_for, push_header, tiny_model
 from zmq.utils.monitor import recv_monitor_message
 
@@ -30,10 +30,10 @@ JOB = ["--epochs", "15"]
 def test_killed_shard_restarts_from_its_checkpoint_and_training_finishes(tmp_path, shard_daemons):
     daemons = shard_daemons([*JOB, "--checkpoint-every", "10"], count=2, expect_waves=2)
     run_dir = tmp_path / "run"
-    cmd = wavelet_cmd("worker", *JOB, "--threads", "1", "--run-dir", str(run_dir))
+    args = ["worker", *JOB, "--threads", "1", "--run-dir", str(run_dir)]
     for a in daemons.addresses:
-        cmd += ["--shard", a]
-    with started(cmd, tmp_path / "worker.log") as worker:
+        args += ["--shard", a]
+    with forked(args, tmp_path / "worker.log") as worker:
         records = run_dir / "records" / "worker-0-wave-0.jsonl"
         deadline = time.monotonic() + 60
         while not (records.exists() and records.stat().st_size > 40_000):
@@ -44,11 +44,7 @@ def test_killed_shard_restarts_from_its_checkpoint_and_training_finishes(tmp_pat
         victim.wait(10)
         time.sleep(0.5)
         # the same command again, on the same address
-        restart = wavelet_cmd(
-            "ps", *JOB, "--checkpoint-every", "10", "--shards", "2", "--shard-index", "1",
-            "--bind", daemons.addresses[1], "--run-dir", str(daemons.tmp),
-        )  # fmt: skip
-        with started(restart, daemons.tmp / "ps-1-restarted.log"):
+        with daemons.restarted(1, daemons.tmp / "ps-1-restarted.log"):
             assert worker.wait(120) == 0, (tmp_path / "worker.log").read_text()[-3000:]
             accuracy = evaluate_shards(daemons.addresses, JobConfig())["accuracy"]
         assert "restored version" in (daemons.tmp / "ps-1-restarted.log").read_text()
@@ -240,19 +236,6 @@ def test_lost_updates_are_counted_exactly(shard_daemons, noticed):
         assert r.versions == [7]
         daemons.procs[0].send_signal(signal.SIGKILL)
         daemons.procs[0].wait(10)
-        restart = wavelet_cmd(
-            "ps",
-            "--staleness",
-            "inf",
-            "--checkpoint-every",
-            "5",
-            "--shards",
-            "1",
-            "--bind",
-            daemons.addresses[0],
-            "--run-dir",
-            str(daemons.tmp),
-        )
         if noticed == "never":
             # The push for clock 7 is queued while the shard is down and reaches the restarted
             # shard before the client hears of the reconnection: it must not be refused as a
@@ -274,7 +257,7 @@ def test_lost_updates_are_counted_exactly(shard_daemons, noticed):
             )
             flight.start()
             assert sent.wait(patience_s)
-        with started(restart, daemons.tmp / "restarted.log"):
+        with daemons.restarted(0, daemons.tmp / "restarted.log"):
             if noticed == "first":
                 # the client sees the shard come back before it sends anything to it
                 wait_for(

@@ -5,6 +5,7 @@ none outlives a launcher killed with SIGKILL, forked or exec'd."""
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,45 @@ def _exists(pid: int) -> bool:
 
 def _command(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
+FORKED_HERE = """
+import os, sys
+from pathlib import Path
+from wavelet.scripts.forkserver import ForkServer
+
+out = Path(sys.argv[1])
+server = ForkServer.fork_here(out / "server.log")
+stat = Path(f"/proc/{server.proc.pid}/stat").read_text()
+print("server's parent:", int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid())
+title = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().replace(bytes(1), b" ")
+print("server title:", title.decode().split()[1:3])
+keys = ["keys", "alice", "--out", str(out / "k")]
+child = server.spawn(keys, dict(os.environ), out / "a.log", False)
+print("child status:", child.wait(60))
+server.close()
+print("server status:", server.proc.returncode)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_server_forked_from_the_command_itself_serves_and_leaves_as_python_does(tmp_path):
+    """``fork_here`` (how the CLI starts its jobs' server): the server and its children leave
+    through the caller's frames by SystemExit, so the caller's code after the fork runs once."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_HERE, str(tmp_path)],
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "server's parent: True",
+        "server title: ['-m', 'wavelet.scripts.forkserver']",
+        "child status: 0",
+        "server status: 0",
+    ], done.stdout + done.stderr
+    assert (tmp_path / "k" / "alice.key").exists()
+    assert "alice" in (tmp_path / "a.log").read_text()
+    assert (tmp_path / "server.log").read_text() == ""  # nothing went wrong in the server

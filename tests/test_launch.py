@@ -47,7 +47,7 @@ def _assert_nothing_left(run_dir: Path):
 def test_default_job_reaches_the_accuracy_bar(tmp_path):
     run_dir = tmp_path / "run"
     # The default job, exactly as the README runs it (it is small: about 5 s of training).
-    done = run_wavelet("launch", "--run-dir", str(run_dir), timeout=200)
+    done = run_wavelet("launch", "--run-dir", str(run_dir), timeout=200, by_hand=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "final test accuracy" in done.stdout and "samples/s" in done.stdout
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import run_wavelet, started, wavelet_cmd
+from conftest import run_wavelet
 from helpers import RawClient, client_for, push_header, shard_values, tiny_model
 
 from wavelet.common import shm
@@ -149,10 +149,7 @@ def test_segments_are_private_and_removed_on_stop_and_after_a_kill(shard_daemons
     daemons.procs[0].wait(10)
     assert len(_segments(prefix)) == 2
     # ...until a shard of the same run dir starts, and that one removes its own on SIGTERM
-    restart = wavelet_cmd(
-        "ps", *JOB, "--shards", "1", "--bind", daemons.addresses[0], "--run-dir", str(daemons.tmp)
-    )
-    with started(restart, tmp_path / "restarted.log") as proc:
+    with daemons.restarted(0, tmp_path / "restarted.log") as proc:
         c = client_for(model, daemons.addresses, transport="shm")
         try:
             c.register(0)
