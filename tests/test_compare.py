@@ -5,7 +5,7 @@ import signal
 
 import matplotlib.image
 import pytest
-from conftest import ONE_SHARD, run_wavelet, started, wait_for, wavelet_cmd
+from conftest import ONE_SHARD, forked, run_wavelet, wait_for
 from helpers import processes_mentioning
 
 from wavelet.common.figures import RunFigures, combined_timeline, peak, run_figures
@@ -33,8 +33,8 @@ def test_combined_timeline_known_answer():
 def test_ctrl_c_stops_the_whole_comparison_and_reports_what_ran(tmp_path):
     out = tmp_path / "cmp"
     modes = "ticktock,allreduce"
-    cmd = wavelet_cmd("compare", "--epochs", "500", "--modes", modes, "--out", str(out))
-    with started(cmd, tmp_path / "compare.log") as proc:
+    args = ["compare", "--epochs", "500", "--modes", modes, "--out", str(out)]
+    with forked(args, tmp_path / "compare.log") as proc:
         steps = out / "ticktock" / "records" / "worker-0-wave-0.jsonl"
         wait_for(lambda: steps.exists() and steps.stat().st_size > 5000, 120, "no training")
         proc.send_signal(signal.SIGINT)

@@ -4,7 +4,7 @@ that drops its segments while a pull is parked cannot stop the shard."""
 import json
 
 import pytest
-from conftest import started, wait_for, wavelet_cmd
+from conftest import forked, wait_for
 from helpers import TIMEOUT_S, RawClient, client_for, tiny_model
 
 from wavelet.common.protocol import Header, Op, decode
@@ -21,8 +21,7 @@ def _steps(path) -> int:
 @pytest.mark.timeout(300)
 def test_requests_naming_a_running_wave_change_nothing_and_the_job_trains_on(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = wavelet_cmd("launch", "--run-dir", str(run_dir))
-    with started(cmd, tmp_path / "launch.log") as launcher:
+    with forked(["launch", "--run-dir", str(run_dir)], tmp_path / "launch.log") as launcher:
         records = run_dir / "records" / "worker-0-wave-0.jsonl"
         wait_for(lambda: _steps(records) >= 20, 120, "training did not start")
         addresses = [(run_dir / f"ps-{i}.addr").read_text().strip() for i in range(2)]

@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import between_checkpoints, kill_tree, run_wavelet, started, wait_for, wavelet_cmd
+from conftest import (
+    between_checkpoints,
+    forked,
+    kill_tree,
+    run_wavelet,
+    started,
+    wait_for,
+    wavelet_cmd,
+)
 from helpers import processes_mentioning
 
 from wavelet.common import shm
@@ -145,7 +153,7 @@ def test_a_job_stopped_by_ctrl_c_and_then_by_a_killed_shard_resumes_each_time(tm
     run_dir = tmp_path / "run"
     records = run_dir / "records" / "worker-0-wave-0.jsonl"
     first = "launch", "--run-dir", str(run_dir), "--epochs", "10", "--checkpoint-every", "60"
-    with started(wavelet_cmd(*first), tmp_path / "first.log") as proc:
+    with forked(first, tmp_path / "first.log") as proc:
         wait_for(
             lambda: records.exists() and records.stat().st_size > 80_000,  # about 80 of 220 steps
             90,
@@ -155,7 +163,7 @@ def test_a_job_stopped_by_ctrl_c_and_then_by_a_killed_shard_resumes_each_time(tm
         assert proc.wait(30) == 130
     stopped_at = max(r["clock"] for r in read_records(records) if r["kind"] == "step")
 
-    with started(wavelet_cmd("launch", "--resume", str(run_dir)), tmp_path / "second.log") as proc:
+    with forked(["launch", "--resume", str(run_dir)], tmp_path / "second.log") as proc:
         wait_for(lambda: between_checkpoints(run_dir), 120, "no updates after a checkpoint")
         os.kill(_one_process(run_dir, _shard_marker(run_dir, 0)), signal.SIGKILL)
         assert proc.wait(30) == 1

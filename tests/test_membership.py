@@ -7,7 +7,7 @@ import time
 
 import pytest
 import zmq
-from conftest import started, wait_for, wavelet_cmd
+from conftest import forked, wait_for
 from helpers import TIMEOUT_S, client_for, tiny_model
 
 from wavelet.common.records import read_records
@@ -21,8 +21,8 @@ from wavelet.worker.heartbeat import Heartbeat
 JOB = ["--epochs", "500", "--set", "wave_timeout_s=15", "--set", "heartbeat_s=0.5"]
 
 
-def _worker_cmd(daemons, rank, run_dir, s):
-    cmd = wavelet_cmd(
+def _worker_args(daemons, rank, run_dir, s):
+    args = [
         "worker",
         *JOB,
         "--staleness",
@@ -37,10 +37,10 @@ def _worker_cmd(daemons, rank, run_dir, s):
         str(run_dir),
         "--waves",
         "1",
-    )
+    ]
     for a in daemons.addresses:
-        cmd += ["--shard", a]
-    return cmd
+        args += ["--shard", a]
+    return args
 
 
 def _steps(path):
@@ -54,8 +54,8 @@ def test_killed_worker_is_dropped_and_rejoins(shard_daemons, tmp_path, s):
     daemons = shard_daemons([*JOB, "--staleness", s, "--waves", "1"], count=2, expect_waves=2)
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     a_records = run_a / "records" / "worker-0-wave-0.jsonl"
-    with started(_worker_cmd(daemons, 0, run_a, s), tmp_path / "a.log") as a:
-        with started(_worker_cmd(daemons, 1, run_b, s), tmp_path / "b.log") as b:
+    with forked(_worker_args(daemons, 0, run_a, s), tmp_path / "a.log") as a:
+        with forked(_worker_args(daemons, 1, run_b, s), tmp_path / "b.log") as b:
             deadline = time.monotonic() + 60
             while len(_steps(a_records)) < 20:
                 assert time.monotonic() < deadline, "training did not start"
@@ -72,7 +72,7 @@ def test_killed_worker_is_dropped_and_rejoins(shard_daemons, tmp_path, s):
         alone = len(_steps(a_records))
         # b comes back as a new process and joins at the current clock
         b2_records = tmp_path / "b2" / "records" / "worker-1-wave-0.jsonl"
-        with started(_worker_cmd(daemons, 1, tmp_path / "b2", s), tmp_path / "b2.log") as b2:
+        with forked(_worker_args(daemons, 1, tmp_path / "b2", s), tmp_path / "b2.log") as b2:
             deadline = time.monotonic() + 60
             while len(_steps(b2_records)) < 10:
                 assert time.monotonic() < deadline, (tmp_path / "b2.log").read_text()[-2000:]

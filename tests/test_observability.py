@@ -5,7 +5,7 @@ import json
 import urllib.request
 
 import pytest
-from conftest import ONE_SHARD, run_wavelet, started, wait_for, wavelet_cmd
+from conftest import ONE_SHARD, forked, run_wavelet, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from wavelet.common.protocol import Op
@@ -31,8 +31,8 @@ def _scrape(url: str) -> dict[str, dict[tuple, float]]:
 @pytest.mark.timeout(180)
 def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = wavelet_cmd("launch", "--run-dir", str(run_dir), "--epochs", "60", "--metrics-port", "0")
-    with started(cmd, tmp_path / "launch.log") as launcher:
+    args = ["launch", "--run-dir", str(run_dir), "--epochs", "60", "--metrics-port", "0"]
+    with forked(args, tmp_path / "launch.log") as launcher:
         urls = run_dir / "metrics"
         wait_for(lambda: len(list(urls.glob("*.url"))) == 3, 60, "daemons did not serve metrics")
         shard_url = (urls / "ps-0.url").read_text().strip()

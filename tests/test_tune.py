@@ -4,7 +4,7 @@ import signal
 
 import matplotlib.image
 import pytest
-from conftest import ONE_SHARD, run_wavelet, started, wait_for, wavelet_cmd
+from conftest import ONE_SHARD, forked, run_wavelet, wait_for
 from helpers import processes_mentioning
 
 from wavelet.common.config import ConfigError
@@ -108,8 +108,8 @@ def test_a_grouped_rule_names_itself_in_the_table_instead_of_a_bound_and_policy(
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_the_whole_sweep_and_reports_what_ran(tmp_path):
     out = tmp_path / "tune"
-    cmd = wavelet_cmd("tune", "--bounds", "1,2", "--epochs", "500", "--out", str(out))
-    with started(cmd, tmp_path / "tune.log") as proc:
+    args = ["tune", "--bounds", "1,2", "--epochs", "500", "--out", str(out)]
+    with forked(args, tmp_path / "tune.log") as proc:
         wait_for(lambda: list(out.glob("00-*/records/worker-0-wave-0.jsonl")), 120, "no training")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 130, (tmp_path / "tune.log").read_text()[-3000:]
