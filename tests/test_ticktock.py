@@ -2,12 +2,11 @@
 saved-activation bytes are measured exactly."""
 
 import json
-import subprocess
 import threading
 
 import pytest
 import torch
-from conftest import CHILD_ENV, wavelet_cmd
+from conftest import run_wavelet
 from torch import nn
 
 from wavelet.common.records import read_records
@@ -119,7 +118,7 @@ def _run_worker(
 ):
     job = (*JOB, *job)
     daemons = shard_daemons([*job, "--waves", str(waves)], count=2, expect_waves=waves)
-    cmd = wavelet_cmd(
+    args = [
         "worker",
         *job,
         "--waves",
@@ -132,10 +131,10 @@ def _run_worker(
         transport,
         "--run-dir",
         str(tmp_path / "run"),
-    )
+    ]
     for a in daemons.addresses:
-        cmd += ["--shard", a]
-    done = subprocess.run(cmd, env=CHILD_ENV, capture_output=True, text=True, timeout=120)
+        args += ["--shard", a]
+    done = run_wavelet(*args, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     layout = json.loads((tmp_path / "run" / "records" / "worker-0-threads.json").read_text())
     # more than one torch thread per wave on a CPU: one thread computes for all the waves
