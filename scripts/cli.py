@@ -651,11 +651,7 @@ JOB_COMMANDS = (_cmd_launch, _cmd_compare, _cmd_tune)
 def _job_fork_server(args: argparse.Namespace) -> ForkServer | None:
     if args.run not in JOB_COMMANDS or getattr(args, "spawn", None) == "exec":
         return None
-    try:
-        return ForkServer.fork_here()
-    except OSError as e:  # no fork here (limits): each job starts a server of its own
-        print(f"warning: could not fork a fork server ({e})", file=sys.stderr)
-        return None
+    return ForkServer.fork_here()
 
 
 def main(argv: list[str] | None = None, entry_point: bool | None = None) -> int:

@@ -126,17 +126,20 @@ class ForkServer:
         log_path = log_path or _temporary_log()
         ours, theirs = socket.socketpair()
         launcher = os.getpid()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # threads: see _serve's fork
-            pid = os.fork()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # threads: see _serve's fork
+                pid = os.fork()
+        except OSError:  # no fork now (process limits): a server of its own, as from Python
+            ours.close()
+            theirs.close()
+            return cls.start(log_path, env, wait=False)
         if pid == 0:  # the server, until the launcher hangs up; then out, as Python exits
             try:
                 ours.close()
                 _become_server(theirs.fileno(), log_path, _server_env(env), launcher)
                 serve(theirs.fileno(), str(log_path))
-            except SystemExit:
-                raise  # the server's, or a daemon's exit status
-            except BaseException:  # never back into the caller's code: out, as Python would
+            except Exception:  # never into a caller's handler: out, as Python itself would
                 traceback.print_exc()
                 sys.exit(1)
             sys.exit(0)
