@@ -406,15 +406,9 @@ def _become_server(fd: int, log_path: Path, env: dict[str, str], launcher: int) 
     die_with_parent()
     if os.getppid() != launcher:  # it died before the line above: nobody to serve
         sys.exit(0)
-    out = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
+    _redirect_stdio(log_path, append=True)
     os.closerange(3, fd)  # descriptors the launcher inherited (a caller's pipes), not Python's
     os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
     # the title before the environment changes: setproctitle finds its memory beside it
     _retitle([sys.executable, "-m", "wavelet.scripts.forkserver", str(fd), str(log_path)])
     os.environ.clear()
@@ -492,23 +486,7 @@ def _become_daemon(request: dict) -> None:
     directory), then run the command and exit as Python exits."""
     os.setsid()
     die_with_parent()
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC)
-    out = os.open(request["log"], flags, 0o644)
-    err = os.open(request["err"], flags, 0o644) if request.get("err") else out
-    os.dup2(out, 1)
-    os.dup2(err, 2)  # one open file for both, unless apart: their writes must not overlap
-    os.close(out)
-    if err != out:
-        os.close(err)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    # unbuffered, as the exec'd daemons run (PYTHONUNBUFFERED): a killed daemon's log is whole
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
-    )
+    _redirect_stdio(request["log"], request.get("err"), request["append"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -519,6 +497,26 @@ def _become_daemon(request: dict) -> None:
     sys.argv = [cli.__file__, *request["args"]]
     _retitle([sys.executable, "-m", "wavelet.scripts.cli", *request["args"]])
     sys.exit(cli.main(request["args"], entry_point=True))  # nothing above it but this server
+
+
+def _redirect_stdio(log: str | Path, err: str | Path | None = None, append: bool = True) -> None:
+    """Standard input from /dev/null, output (and errors, unless ``err``) to ``log``: what exec
+    with a log file gives a process. Unbuffered, as exec'd daemons run (PYTHONUNBUFFERED): a
+    killed process's log is whole."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    out = os.open(log, flags, 0o644)
+    # one open file for both, unless apart: their writes must not overlap
+    errors = os.open(err, flags, 0o644) if err else out
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd, standard in ((null, 0), (out, 1), (errors, 2)):
+        os.dup2(fd, standard)
+    for fd in {null, out, errors}:
+        os.close(fd)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+    )
 
 
 def _retitle(command: list[str]) -> None:

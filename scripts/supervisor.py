@@ -77,15 +77,14 @@ def start_fork_server(spawn: str) -> ForkServer | None:
 def shared_fork_server(spawn: str, given: ForkServer | None = None):
     """One fork server for several jobs (compare's modes, tune's settings: its imports paid
     once): ``given``, which its caller closes, or one started now and closed after."""
-    if given is not None or spawn != "fork":
+    if spawn != "fork" or given is not None:
         yield given if spawn == "fork" else None
         return
-    server = start_fork_server(spawn)
+    server = ForkServer.start(wait=False)
     try:
         yield server
     finally:
-        if server is not None:
-            server.close()
+        server.close()
 
 
 @dataclass
