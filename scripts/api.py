@@ -73,25 +73,35 @@ def compare(
     lr_scaling: str = "linear",
 ) -> dict[str, dict]:
     """``job`` in several modes side by side, as ``wavelet compare`` does (``report.md`` and the
-    runs in ``out``); per mode its figures (samples/s, time to ``target``, final accuracy,
-    memory, staleness) or ``{"error": why}``."""
+    runs in ``out``); per mode its figures (``run_dir``, ``samples_per_s``, ``time_to_target_s``,
+    ``final_score``, ``score_curve``, memory peaks, ``staleness``; with ``memory_budget`` also the
+    ``batch`` per task and ``lr`` it chose) or ``{"error": why}``. The memory timelines stay in
+    ``out`` (``metrics.json``, ``memory.png``)."""
     from wavelet.scripts.budget import parse_budget
     from wavelet.scripts.compare import compare as compare_modes
     from wavelet.scripts.compare import default_modes, plan_budget
+    from wavelet.scripts.modes import check_modes
 
-    out = Path(out) if out else new_run_dir("compare")
     plan = None
     if memory_budget:
         plan = plan_budget(job, parse_budget(memory_budget), devices[0], lr_scaling)
-    modes = list(modes or default_modes(job, list(devices), plan is not None))
+    modes = check_modes(list(modes or default_modes(job, list(devices), plan is not None)))
+    out = Path(out) if out else new_run_dir("compare")  # once nothing more can be refused
     try:
         results = compare_modes(job, list(devices), modes, out, target, budget=plan)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return {
-        r.name: {**r.figures.to_json(), "batch": r.batch} if r.figures else {"error": r.error}
-        for r in results
-    }
+    return {r.name: _mode_figures(r, budget=plan is not None) for r in results}
+
+
+def _mode_figures(result, budget: bool) -> dict:
+    if not result.figures:
+        return {"error": result.error}
+    figures = result.figures.to_json()
+    del figures["memory_traces"]  # thousands of points per wave: a plot's data, not a figure
+    if budget:
+        figures.update(batch=result.batch, lr=result.lr)
+    return figures
 
 
 __all__ = ["ConfigError", "JobConfig", "JobFailed", "LaunchConfig", "compare", "launch"]

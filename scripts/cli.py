@@ -281,13 +281,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         plan_budget,
         verdict,
     )
+    from wavelet.scripts.modes import check_modes
 
     job = job_from_args(args)
     plan = None
     if args.memory_budget:
         plan = plan_budget(job, parse_budget(args.memory_budget), args.devices[0], args.lr_scaling)
     default = default_modes(job, args.devices, plan is not None)
-    modes = [m.strip() for m in (args.modes or ",".join(default)).split(",") if m.strip()]
+    modes = check_modes(
+        [m.strip() for m in (args.modes or ",".join(default)).split(",") if m.strip()]
+    )
     out = Path(args.out) if args.out else new_run_dir("compare")
     try:
         results = compare(

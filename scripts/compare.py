@@ -28,7 +28,7 @@ from wavelet.scripts.budget import (
 )
 from wavelet.scripts.forkserver import ForkServer
 from wavelet.scripts.launch import launch, threads_per_process
-from wavelet.scripts.modes import BUDGET_MODES, DEFAULT_MODES, MODES, Mode
+from wavelet.scripts.modes import BUDGET_MODES, DEFAULT_MODES, MODES, Mode, check_modes
 from wavelet.scripts.plots import accuracy_vs_time, memory_timelines
 from wavelet.scripts.signals import INTERRUPTED
 from wavelet.scripts.supervisor import shared_fork_server
@@ -175,9 +175,7 @@ def compare(
     """Run ``job`` in each mode; ``settings`` are launch settings every mode shares (e.g. a
     CUDA memory cap); with ``budget``, each mode at the largest batch that fits it. Every
     mode's daemons fork from ``fork_server`` (the caller's), else from one started here."""
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
+    check_modes(modes)
     out.mkdir(parents=True, exist_ok=True)
     with shared_fork_server((settings or {}).get("spawn", "fork"), fork_server) as server:
         return _compare(job, devices, modes, out, target, settings, budget, server)

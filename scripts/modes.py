@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from wavelet.common.config import JobConfig
+from wavelet.common.config import ConfigError, JobConfig
 from wavelet.common.machine import usable_cores
 
 
@@ -166,3 +166,13 @@ BUDGET_MODES = [
     "allreduce2",
     "allreduce-ckpt",
 ]
+
+
+def check_modes(modes: list[str]) -> list[str]:
+    """``modes`` if each names a mode; else a ConfigError, before anything is made or run."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ConfigError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
+    if not modes:
+        raise ConfigError("no modes to compare; name one or more, e.g. ticktock,allreduce")
+    return modes

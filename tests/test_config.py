@@ -111,12 +111,17 @@ def test_every_supported_optimizer_passes_its_own_checks_without_loading_the_com
         ["tune", "--policies", "apply,nosuch"],
         # numbers that are not numbers
         ["ps", "--max-parked", "many"],
+        # modes to compare
+        ["compare", "--modes", "tiktok"],
+        ["compare", "--modes", ","],
+        ["compare", "--memory-budget", "lots"],
     ],
 )
-def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys, monkeypatch):
+def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys, monkeypatch, tmp_path):
     # in this process, through the CLI's own main(): the same parser and checks as the command
     # (whose process the test below starts), without a torch import per case
     monkeypatch.setattr("sys.path", list(sys.path))
+    monkeypatch.chdir(tmp_path)  # where a run dir would go: refused input makes none
     monkeypatch.setattr("signal.signal", lambda *a: None)  # leave pytest's handlers alone
     with pytest.raises(SystemExit) as exit_:
         cli_main(argv)
@@ -124,6 +129,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys, monkeypatch):
     assert exit_.value.code == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("wavelet: error:"), stderr
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("argv", [["launch", "--epochs", "-1"], ["ps", "--shard-index", "5"]])

@@ -4,6 +4,7 @@ functions (turned into import paths, since every worker is another process that 
 import dataclasses
 import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -146,3 +147,19 @@ def test_a_job_that_fails_raises_job_failed_with_its_run_dir(parts):
         wavelet.launch(no_loss, run_dir="refused", quiet=True)
     with pytest.raises(wavelet.ConfigError, match="unknown launch setting 'device'"):
         wavelet.launch(job, device="cpu")
+
+
+@pytest.mark.timeout(300)
+def test_compare_from_python_returns_each_modes_figures(parts):
+    job = wavelet.JobConfig(model=parts.small_mlp, epochs=1)
+    with pytest.raises(wavelet.ConfigError, match="unknown mode 'tiktok'"):
+        wavelet.compare(job, ["ticktock", "tiktok"])
+    assert not os.path.exists("runs")  # refused before any run dir was made
+    figures = wavelet.compare(job, ["ticktock", "allreduce"], out="side", target=0.3)
+    assert list(figures) == ["ticktock", "allreduce"]
+    for mode, got in figures.items():
+        assert got["run_dir"] == f"side/{mode}" and got["samples_per_s"] > 0, got
+        assert 0 <= got["final_score"] <= 1 and got["score_curve"], got
+        assert "memory_traces" not in got and "batch" not in got  # no budget chose a batch
+    assert os.path.exists("side/report.md")
+    json.dumps(figures)  # plain data
