@@ -1012,7 +1012,12 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        why = f"config file {path} does not exist"
+        if not Path(path).is_absolute():
+            why += f" in {Path.cwd()}"
+        if Path(path).parts[:1] == ("configs",):  # the repository's, used from elsewhere
+            why += "; the jobs in configs/ come with Wavelet's repository: give their path"
+        raise ConfigError(why) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 

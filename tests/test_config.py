@@ -85,6 +85,7 @@ def test_every_supported_optimizer_passes_its_own_checks_without_loading_the_com
     "argv",
     [
         ["launch", "--epochs", "-1"],
+        ["launch", "--config", "configs/no-such-job.toml"],
         ["launch", "--staleness", "1.5"],
         ["launch", "--no-such-flag"],
         ["launch", "--devices", "tpu:0"],
