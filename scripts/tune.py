@@ -188,11 +188,11 @@ def recommend(results: list[SettingResult]) -> tuple[SettingResult, SettingResul
         return best, None, "no setting reached the target; the only one that finished"
     metric = best.figures.metric
     diff = abs((best.figures.final_score or 0) - (second.figures.final_score or 0))
-    if diff == 0:
-        why = (
-            f"no setting reached the target and the best ones tie on final {metric}: this "
-            "sweep does not tell them apart"
-        )
+    if diff == 0:  # the faster of the two, where speed tells them apart
+        why = f"no setting reached the target and the best ones tie on final {metric}"
+        fast, slow = best.figures.samples_per_s, second.figures.samples_per_s
+        if fast > slow:
+            why += f"; this one trained faster ({fast:.0f} against {slow:.0f} samples/s)"
         return best, second, why
     better = (
         f"{100 * diff:.2f} points more final accuracy"
@@ -202,12 +202,12 @@ def recommend(results: list[SettingResult]) -> tuple[SettingResult, SettingResul
     return best, second, f"no setting reached the target; {better} than the runner-up"
 
 
-def _final_rank(r: SettingResult) -> float:
-    """Sort key: the best final value first (a run without one last)."""
+def _final_rank(r: SettingResult) -> tuple[float, float]:
+    """Sort key: the best final value first (a run without one last), then the most samples/s."""
     m = r.figures
     if m is None or m.final_score is None:
-        return float("inf")
-    return -m.final_score if m.metric_mode == "max" else m.final_score
+        return float("inf"), 0.0
+    return (-m.final_score if m.metric_mode == "max" else m.final_score), -m.samples_per_s
 
 
 def format_table(results: list[SettingResult], target: float) -> str:

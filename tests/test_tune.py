@@ -24,8 +24,9 @@ def test_settings_skip_policies_under_bulk_synchronous():
     assert got == [(0, "apply"), (2, "apply"), (2, "drop")]
 
 
-def _result(name, ttt, acc):
-    return SettingResult(Setting(1, name), RunFigures("x", time_to_target_s=ttt, final_score=acc))
+def _result(name, ttt, acc, samples_per_s=100.0):
+    figures = RunFigures("x", time_to_target_s=ttt, final_score=acc, samples_per_s=samples_per_s)
+    return SettingResult(Setting(1, name), figures)
 
 
 def test_recommendation_prefers_time_to_target_then_final_score():
@@ -37,7 +38,10 @@ def test_recommendation_prefers_time_to_target_then_final_score():
     best, second, why = recommend([_result("a", None, 0.90), _result("b", None, 0.95)])
     assert best.setting.policy == "b" and "no setting reached" in why
     _, _, why = recommend([_result("a", None, 0.90), _result("b", None, 0.90)])
-    assert "tie" in why
+    assert "tie" in why and "faster" not in why
+    # a tie on the final score goes to the faster setting
+    best, _, why = recommend([_result("a", None, 0.9, 1415.0), _result("b", None, 0.9, 1870.0)])
+    assert best.setting.policy == "b" and "tie" in why and "1870 against 1415" in why
 
 
 @pytest.mark.slow
