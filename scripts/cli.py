@@ -249,11 +249,11 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     config = config_from_args(WorkerConfig, args, job=job_from_args(args))
     if config.mode == "allreduce":
-        from wavelet.worker.allreduce import AllReduceWorker, exit_rank
+        from wavelet.worker.allreduce import AllReduceWorker, exit_rank, run_rank
 
         rank = AllReduceWorker(config)
         on_signals(rank.stop)
-        exit_rank(rank.run())
+        exit_rank(run_rank(rank))
     from wavelet.worker.daemon import WorkerDaemon
 
     check_job(config.job, config.num_workers * config.job.waves)

@@ -377,7 +377,7 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
 def _allreduce_rank(config: RunConfig, role: Role) -> NoReturn:
     import torch
 
-    from wavelet.worker.allreduce import AllReduceWorker, exit_rank
+    from wavelet.worker.allreduce import AllReduceWorker, exit_rank, run_rank
 
     _gloo_interface(role)
     device = f"cuda:{role.local_rank}" if torch.cuda.is_available() else "cpu"
@@ -392,7 +392,7 @@ def _allreduce_rank(config: RunConfig, role: Role) -> NoReturn:
         mode="allreduce",
     )
     started = time.time()
-    code = AllReduceWorker(rank_config).run()
+    code = run_rank(AllReduceWorker(rank_config))
     store = open_store(role)
     publish_throughput(store, _key(role, f"throughput/{role.rank}"), Path(run_dir), role.rank)
     store.set(_key(role, f"done/{role.rank}"), str(code))

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -152,6 +153,19 @@ def exit_rank(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_rank(worker: AllReduceWorker) -> int:
+    """``worker.run()``'s exit status; where it raises, the error is printed and the process
+    ends here (``exit_rank(1)``) while the error is still alive. Its traceback holds the rank's
+    DDP, and freeing that (as the interpreter does on its way out) destroys the gloo process
+    group, which joins a gloo thread waiting for the GIL the freeing thread holds: the process
+    hung for good in 2 of 6 one-core runs of a job that fails in its first step."""
+    try:
+        return worker.run()
+    except Exception:
+        traceback.print_exc()
+        exit_rank(1)
 
 
 def compress_gradients(ddp: DistributedDataParallel, wire_dtype: str) -> None:
