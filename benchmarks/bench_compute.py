@@ -35,7 +35,8 @@ SETTINGS = ("main", "own-thread", "two-own-threads", "two-shared")
 
 
 def _job(config: str | None, batch_size: int):
-    from wavelet.common.config import JobConfig, from_dict, load_toml
+    from wavelet.common.config import JobConfig
+    from wavelet.common.settings import from_dict, load_toml
 
     settings = load_toml(config) if config else {}
     if batch_size:

@@ -54,7 +54,8 @@ def component_costs(repeats: int = 2000) -> tuple[float, float]:
     """Seconds one worker step record costs the metrics, and one scrape of a shard's (4 waves)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from wavelet.common.config import JobConfig, PSConfig
+    from wavelet.common.config import JobConfig
+    from wavelet.common.daemon_config import PSConfig
     from wavelet.ps.metrics import ShardCollector
     from wavelet.ps.service import ShardService
     from wavelet.ps.staleness import WaveStats

@@ -332,7 +332,8 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
 def job_lr(config: str | None, extra: list[str]) -> float:
     """The job's learning rate: from ``--lr`` among the extra job flags, else the config file,
     else the default."""
-    from wavelet.common.config import JobConfig, from_dict, load_toml
+    from wavelet.common.config import JobConfig
+    from wavelet.common.settings import from_dict, load_toml
 
     if "--lr" in extra:
         return float(extra[extra.index("--lr") + 1])
@@ -477,7 +478,8 @@ def parse_args(argv=None):
 
 
 def job_batch_size(config: str) -> int:
-    from wavelet.common.config import JobConfig, from_dict, load_toml
+    from wavelet.common.config import JobConfig
+    from wavelet.common.settings import from_dict, load_toml
 
     return (from_dict(JobConfig, load_toml(config)) if config else JobConfig()).batch_size
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 
 from wavelet.common.batches import batch_samples
-from wavelet.common.config import ConfigError, JobConfig, from_dict
+from wavelet.common.config import JobConfig
 from wavelet.common.datasets import Dataset, LoaderDataset, LoaderSettings, build_dataset
 from wavelet.common.evaluation import EvaluateError, Evaluation, load_evaluation
 from wavelet.common.models import build_model
 from wavelet.common.records import save_whole
+from wavelet.common.settings import ConfigError, from_dict
 from wavelet.common.step import StepError, TrainingStep, load_step
 
 

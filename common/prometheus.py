@@ -16,7 +16,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from wavelet.common.config import ConfigError
+from wavelet.common.settings import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from wavelet.common.config import ConfigError
+from wavelet.common.settings import ConfigError
 
 log = logging.getLogger(__name__)
 

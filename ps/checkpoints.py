@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from wavelet.common.config import PSConfig
+from wavelet.common.daemon_config import PSConfig
 from wavelet.common.protocol import ErrorCode, ProtocolError
 from wavelet.common.records import RecordWriter, last_record, save_whole
 from wavelet.ps.shard import Shard

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from wavelet.common.config import PSConfig
+from wavelet.common.daemon_config import PSConfig
 from wavelet.common.protocol import AttachReply, ErrorCode, Header, ProtocolError, wave_name
 from wavelet.common.shm import run_prefix
 from wavelet.ps.segments import NoSpaceForSegments, SegmentStore, WaveSegments

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from wavelet.common.config import ConfigError
+from wavelet.common.settings import ConfigError
 from wavelet.common.shm import (
     NoSpaceForSegments,
     Segment,

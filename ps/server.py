@@ -19,7 +19,7 @@ from pathlib import Path
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from wavelet.common.config import PSConfig
+from wavelet.common.daemon_config import PSConfig
 from wavelet.common.protocol import ErrorCode, error_header, send_message
 from wavelet.common.security import (
     ServerSecurity,

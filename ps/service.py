@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from wavelet.common.config import PSConfig
+from wavelet.common.daemon_config import PSConfig
 from wavelet.common.protocol import (
     Ack,
     AdminRequest,

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from wavelet.common.batches import cloned, to_device
-from wavelet.common.config import ConfigError, JobConfig
+from wavelet.common.config import JobConfig
 from wavelet.common.job import build_dataset_and_model
 from wavelet.common.models import checkpoint_blocks
+from wavelet.common.settings import ConfigError
 from wavelet.common.step import load_step
 from wavelet.worker.memory import SavedActivationMeter
 

@@ -19,15 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from wavelet.common.config import (
-    STALE_POLICIES,
+from wavelet.common.config import STALE_POLICIES, JobConfig, OptimizerConfig
+from wavelet.common.daemon_config import LaunchConfig, PSConfig, RunConfig, WorkerConfig
+from wavelet.common.records import new_run_dir
+from wavelet.common.settings import (
     ConfigError,
-    JobConfig,
-    LaunchConfig,
-    OptimizerConfig,
-    PSConfig,
-    RunConfig,
-    WorkerConfig,
     apply_override,
     check_address,
     check_device,
@@ -36,7 +32,6 @@ from wavelet.common.config import (
     load_toml,
     parse_override,
 )
-from wavelet.common.records import new_run_dir
 from wavelet.scripts.forkserver import ForkServer
 from wavelet.scripts.signals import INTERRUPTED, interrupt_on_sigint, on_signals
 

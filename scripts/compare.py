@@ -10,13 +10,8 @@ import json
 import traceback
 from pathlib import Path
 
-from wavelet.common.config import (
-    GROUPED_UPDATES,
-    JobConfig,
-    LaunchConfig,
-    async_only_defaults,
-    launch_updates,
-)
+from wavelet.common.config import GROUPED_UPDATES, JobConfig, async_only_defaults, launch_updates
+from wavelet.common.daemon_config import LaunchConfig
 from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
 from wavelet.scripts.budget import (

@@ -15,20 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from wavelet.common.config import (
-    ConfigError,
-    JobConfig,
-    LaunchConfig,
-    PSConfig,
-    WorkerConfig,
-    command_line,
-    to_dict,
-)
+from wavelet.common.config import JobConfig
+from wavelet.common.daemon_config import LaunchConfig, PSConfig, WorkerConfig
 from wavelet.common.job import check_job
 from wavelet.common.machine import usable_cores
 from wavelet.common.protocol import ShardError
 from wavelet.common.records import new_run_dir
 from wavelet.common.security import JobKeys, admin_token_file, check_bind, load_admin_token
+from wavelet.common.settings import ConfigError, command_line, to_dict
 from wavelet.scripts.forkserver import ForkServer
 from wavelet.scripts.report import Progress, format_summary, summarize
 from wavelet.scripts.signals import INTERRUPTED

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from wavelet.common.config import ConfigError, JobConfig
+from wavelet.common.config import JobConfig
 from wavelet.common.machine import usable_cores
+from wavelet.common.settings import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,15 +27,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-from wavelet.common.config import (
-    ConfigError,
-    JobConfig,
-    PSConfig,
-    RunConfig,
-    WorkerConfig,
-    concrete_updates,
-)
+from wavelet.common.config import JobConfig, concrete_updates
+from wavelet.common.daemon_config import PSConfig, RunConfig, WorkerConfig
 from wavelet.common.machine import interface_of, usable_cores
+from wavelet.common.settings import ConfigError
 from wavelet.scripts.signals import INTERRUPTED
 
 log = logging.getLogger(__name__)

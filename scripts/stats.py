@@ -6,10 +6,10 @@ import sys
 import time
 from pathlib import Path
 
-from wavelet.common.config import ConfigError
 from wavelet.common.figures import quantile
 from wavelet.common.protocol import Op, ShardError
 from wavelet.common.security import JobKeys
+from wavelet.common.settings import ConfigError
 from wavelet.worker.connection import call_shard
 
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wavelet.common.config import LaunchConfig
+from wavelet.common.daemon_config import LaunchConfig
 from wavelet.common.security import JobKeys
 from wavelet.common.shm import remove_segments, run_prefix
 from wavelet.scripts.forkserver import ForkedChild, ForkServer, ForkServerError, die_with_parent

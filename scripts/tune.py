@@ -15,16 +15,15 @@ from pathlib import Path
 
 from wavelet.common.config import (
     GROUPED_UPDATES,
-    INF,
     STALE_POLICIES,
     UPDATES,
-    ConfigError,
     JobConfig,
-    LaunchConfig,
     async_only_defaults,
 )
+from wavelet.common.daemon_config import LaunchConfig
 from wavelet.common.evaluation import format_target
 from wavelet.common.figures import RunFigures, run_figures
+from wavelet.common.settings import INF, ConfigError
 from wavelet.scripts.forkserver import ForkServer
 from wavelet.scripts.launch import launch
 from wavelet.scripts.plots import accuracy_vs_time

@@ -11,7 +11,8 @@ import msgpack
 import torch
 import zmq
 
-from wavelet.common.config import JobConfig, PSConfig
+from wavelet.common.config import JobConfig
+from wavelet.common.daemon_config import PSConfig
 from wavelet.common.models import build_model
 from wavelet.common.protocol import PROTOCOL_VERSION, Header, Op, decode, encode
 from wavelet.common.sharding import ShardingPlan, chunk_view, model_tensors

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from conftest import ONE_SHARD, run_wavelet
 from torch.nn.parallel import DistributedDataParallel
 
-from wavelet.common.config import ConfigError, JobConfig
+from wavelet.common.config import JobConfig
 from wavelet.common.models import build_model, checkpoint_blocks
+from wavelet.common.settings import ConfigError
 from wavelet.scripts.budget import (
     ActivationProbe,
     BudgetError,

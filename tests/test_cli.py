@@ -11,7 +11,8 @@ import zmq
 from conftest import run_wavelet
 from helpers import free_port
 
-from wavelet.common.config import JobConfig, LaunchConfig, PSConfig, WorkerConfig
+from wavelet.common.config import JobConfig
+from wavelet.common.daemon_config import LaunchConfig, PSConfig, WorkerConfig
 from wavelet.scripts.cli import build_parser
 
 

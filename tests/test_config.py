@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import run_wavelet
 
-from wavelet.common.config import INF, ConfigError, JobConfig, from_dict
+from wavelet.common.config import JobConfig
 from wavelet.common.datasets import build_dataset
 from wavelet.common.models import build_model
+from wavelet.common.settings import INF, ConfigError, from_dict
 from wavelet.scripts.cli import build_parser, job_from_args
 from wavelet.scripts.cli import main as cli_main
 
@@ -206,7 +207,8 @@ def test_a_daemons_command_line_carries_every_setting_it_was_given():
     flag survives the trip through argv, so a new setting cannot be forgotten on the way."""
     import dataclasses
 
-    from wavelet.common.config import PSConfig, WorkerConfig, command_line
+    from wavelet.common.daemon_config import PSConfig, WorkerConfig
+    from wavelet.common.settings import command_line
     from wavelet.scripts.cli import config_from_args
 
     job = JobConfig(shards=2)

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from wavelet.common.config import JobConfig, from_dict, load_toml
+from wavelet.common.config import JobConfig
+from wavelet.common.settings import from_dict, load_toml
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 

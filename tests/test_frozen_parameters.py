@@ -10,9 +10,10 @@ import torch
 from conftest import run_wavelet
 from torch import nn
 
-from wavelet.common.config import JobConfig, from_dict
+from wavelet.common.config import JobConfig
 from wavelet.common.job import build_dataset_and_model, load_trained_model
 from wavelet.common.protocol import ErrorCode, ProtocolError
+from wavelet.common.settings import from_dict
 from wavelet.common.sharding import ShardingPlan
 from wavelet.ps.shard import Shard
 

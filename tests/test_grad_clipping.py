@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import run_wavelet
 
-from wavelet.common.config import ConfigError, JobConfig
+from wavelet.common.config import JobConfig
 from wavelet.common.job import build_dataset_and_model
+from wavelet.common.settings import ConfigError
 from wavelet.common.step import clip_gradients
 from wavelet.worker.evaluate import evaluate
 

@@ -15,9 +15,9 @@ import torch
 from conftest import ShardDaemons, run_wavelet, wait_for
 from helpers import free_port
 
-from wavelet.common.config import ConfigError
 from wavelet.common.records import read_records
 from wavelet.common.security import load_admin_token, write_private
+from wavelet.common.settings import ConfigError
 from wavelet.common.shm import SHM_DIR, run_prefix
 
 

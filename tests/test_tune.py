@@ -7,8 +7,8 @@ import pytest
 from conftest import ONE_SHARD, forked, run_wavelet, wait_for
 from helpers import processes_mentioning
 
-from wavelet.common.config import ConfigError
 from wavelet.common.figures import RunFigures
+from wavelet.common.settings import ConfigError
 from wavelet.scripts.tune import (
     Setting,
     SettingResult,

@@ -13,8 +13,9 @@ import pytest
 import torch
 from conftest import run_wavelet
 
-from wavelet.common.config import JobConfig, from_dict
+from wavelet.common.config import JobConfig
 from wavelet.common.job import build_dataset_and_model, load_trained_model
+from wavelet.common.settings import from_dict
 from wavelet.worker.allreduce import UnusedParameterError
 
 PARTS = """

@@ -6,15 +6,10 @@ import pytest
 import torch
 from helpers import ServiceWave, push_header, reply_of, service_for
 
-from wavelet.common.config import (
-    ConfigError,
-    JobConfig,
-    LaunchConfig,
-    OptimizerConfig,
-    concrete_updates,
-    launch_updates,
-)
+from wavelet.common.config import JobConfig, OptimizerConfig, concrete_updates, launch_updates
+from wavelet.common.daemon_config import LaunchConfig
 from wavelet.common.protocol import Op, encode
+from wavelet.common.settings import ConfigError
 from wavelet.ps.update_rules import corrected_momentum, update_lr_factor
 from wavelet.scripts.compare import default_modes, mode_job
 from wavelet.scripts.modes import DEFAULT_MODES, MODES

@@ -24,13 +24,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from wavelet.common.batches import batch_samples, to_device
-from wavelet.common.config import ConfigError, WorkerConfig
+from wavelet.common.daemon_config import WorkerConfig
 from wavelet.common.evaluation import load_evaluation
 from wavelet.common.job import build_dataset_and_model, save_trained_model
 from wavelet.common.models import checkpoint_blocks
 from wavelet.common.protocol import wave_name
 from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
+from wavelet.common.settings import ConfigError
 from wavelet.common.step import AUTOCAST_DTYPES, clip_gradients, load_step
 from wavelet.worker.evaluate import TestSnapshots, eval_record, evaluate
 from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory

@@ -19,7 +19,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from wavelet.common.config import TRANSPORTS
+from wavelet.common.daemon_config import TRANSPORTS
 from wavelet.common.protocol import (
     AttachRequest,
     Body,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from wavelet.common.config import WorkerConfig
+from wavelet.common.daemon_config import WorkerConfig
 from wavelet.common.datasets import build_dataset
 from wavelet.common.job import loader_settings
 from wavelet.common.machine import usable_cores

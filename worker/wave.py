@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from wavelet.common.batches import batch_samples, to_device
-from wavelet.common.config import WorkerConfig
+from wavelet.common.daemon_config import WorkerConfig
 from wavelet.common.datasets import Dataset, LoaderDataset
 from wavelet.common.evaluation import load_evaluation
 from wavelet.common.models import build_model, checkpoint_blocks
