@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from wavelet.common.daemon_config import PSConfig
-from wavelet.common.protocol import AttachReply, ErrorCode, Header, ProtocolError, wave_name
+from wavelet.common.messages import AttachReply
+from wavelet.common.protocol import ErrorCode, Header, ProtocolError, wave_name
 from wavelet.common.shm import run_prefix
 from wavelet.ps.segments import NoSpaceForSegments, SegmentStore, WaveSegments
 from wavelet.ps.shard import ChunkSpec

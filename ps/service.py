@@ -20,18 +20,14 @@ from typing import Any
 import torch
 
 from wavelet.common.daemon_config import PSConfig
-from wavelet.common.protocol import (
+from wavelet.common.messages import (
     Ack,
     AdminRequest,
     AttachRequest,
     CheckpointReply,
-    ErrorCode,
-    Header,
     HeartbeatRequest,
     InitReply,
     InitRequest,
-    Op,
-    ProtocolError,
     PullRequest,
     PushReply,
     PushRequest,
@@ -39,10 +35,16 @@ from wavelet.common.protocol import (
     RegisterRequest,
     StatsReply,
     WeightsReply,
-    decode,
-    error_header,
     reply_header,
     request_body,
+)
+from wavelet.common.protocol import (
+    ErrorCode,
+    Header,
+    Op,
+    ProtocolError,
+    decode,
+    error_header,
     wave_name,
 )
 from wavelet.ps.admin import AdminGate

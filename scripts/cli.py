@@ -355,7 +355,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_admin(args: argparse.Namespace) -> int:
-    from wavelet.common.protocol import AdminRequest, Op, ShardError
+    from wavelet.common.messages import AdminRequest
+    from wavelet.common.protocol import Op, ShardError
     from wavelet.common.security import admin_token_file, load_admin_token
     from wavelet.worker.connection import call_shard
 

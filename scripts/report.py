@@ -15,7 +15,8 @@ from wavelet.common.config import JobConfig
 from wavelet.common.evaluation import format_value
 from wavelet.common.figures import push_staleness
 from wavelet.common.job import MODEL_FILE
-from wavelet.common.protocol import AdminRequest, Op, ShardError
+from wavelet.common.messages import AdminRequest
+from wavelet.common.protocol import Op, ShardError
 from wavelet.scripts.plots import staleness_histograms
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
 from wavelet.scripts.tensorboard_log import RunBoard

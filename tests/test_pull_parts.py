@@ -20,16 +20,8 @@ from helpers import (
 )
 
 from wavelet.common.config import OptimizerConfig
-from wavelet.common.protocol import (
-    ErrorCode,
-    Header,
-    Op,
-    ShardError,
-    WeightsReply,
-    decode,
-    encode,
-    reply_header,
-)
+from wavelet.common.messages import WeightsReply, reply_header
+from wavelet.common.protocol import ErrorCode, Header, Op, ShardError, decode, encode
 from wavelet.worker.client import _PullParts
 from wavelet.worker.pull_hooks import PullDuringForward
 

@@ -11,7 +11,8 @@ from conftest import run_wavelet
 from helpers import RawClient, client_for, push_header, shard_values, tiny_model
 
 from wavelet.common import shm
-from wavelet.common.protocol import Header, Op, PushRequest, RemoteError, ShardError
+from wavelet.common.messages import PushRequest
+from wavelet.common.protocol import Header, Op, RemoteError, ShardError
 
 JOB = ["--model", "mlp", "--dataset", "synthetic", "--staleness", "inf"]
 

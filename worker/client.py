@@ -20,24 +20,26 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from wavelet.common.daemon_config import TRANSPORTS
-from wavelet.common.protocol import (
+from wavelet.common.messages import (
     AttachRequest,
     Body,
-    ErrorCode,
-    Header,
     InitRequest,
-    NotRegistered,
-    Op,
     PullRequest,
     PushRequest,
     RegisterRequest,
+    WeightsReply,
+    reply_body,
+)
+from wavelet.common.protocol import (
+    ErrorCode,
+    Header,
+    NotRegistered,
+    Op,
     RemoteError,
     ShardError,
     ShardTimeout,
-    WeightsReply,
     decode_reply,
     raise_for_error,
-    reply_body,
     send_message,
 )
 from wavelet.common.security import ClientKeys

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import zmq
 
-from wavelet.common.protocol import Header, HeartbeatRequest, Op, send_message
+from wavelet.common.messages import HeartbeatRequest
+from wavelet.common.protocol import Header, Op, send_message
 from wavelet.common.security import ClientKeys
 from wavelet.worker.connection import connect_dealer
 

@@ -1,0 +1,261 @@
+"""The typed bodies of the wire protocol's messages (``common/protocol.py`` frames them).
+
+Each op's request and reply body is a frozen dataclass, checked against its annotations in one
+place on receipt (``Body.from_wire``), so handlers never look into a raw dict and a wrong field or
+type is a ``malformed`` error reply, never a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from wavelet.common.protocol import BadReply, ErrorCode, Header, Op, ProtocolError, check_type
+
+
+@dataclass(frozen=True)
+class Body:
+    """Base of typed message bodies. Unknown fields and wrong types are malformed messages."""
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any], what: str = "") -> Any:
+        what = what or cls.__name__
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ProtocolError(
+                ErrorCode.MALFORMED, f"{what}: unknown field {unknown[0]!r}; known: {names}"
+            )
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in data:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise ProtocolError(ErrorCode.MALFORMED, f"{what} needs body.{f.name}")
+                continue
+            kwargs[f.name] = _body_value(hints[f.name], data[f.name], f"{what}: body.{f.name}")
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{what}: {e}") from None
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _body_value(kind: Any, value: Any, what: str) -> Any:
+    origin = typing.get_origin(kind)
+    try:
+        if origin is list:
+            (item,) = typing.get_args(kind)
+            return [check_type(v, item, what + " item") for v in check_type(value, list, what)]
+        if origin is dict or kind is dict:
+            return check_type(value, dict, what)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return check_type(value, kind, what)
+    except TypeError as e:
+        raise ProtocolError(ErrorCode.MALFORMED, str(e)) from None
+
+
+@dataclass(frozen=True)
+class RegisterRequest(Body):
+    resume: bool = False  # join at the clock the shard kept for this wave (a resumed job)
+    exact: bool = False  # join at exactly the header's clock (re-joining a restarted shard)
+
+
+@dataclass(frozen=True)
+class InitRequest(Body):
+    trainable: list[bool]  # one flag per key: trained by the optimizer, or a buffer
+    wire: list[str] = field(default_factory=list)  # per key, the dtype it travels in
+    # per key, the dimensions of the tensor it was cut from (chunks are flat): the optimizer's
+    # weight_decay_on tells matrices from biases by them; empty: all taken as matrices
+    ndims: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PullRequest(Body):
+    observer: bool = False  # evaluation and tools: read the current weights, never park
+    master: bool = False  # observers: the master weights in full precision, not the wire copy
+    shm: bool = False  # answer through the wave's pull segment, not tensor frames
+    part_bytes: int = 0  # tensor frames in messages of about this many bytes, in order (0: one)
+
+    def __post_init__(self) -> None:
+        _check_part_bytes(self.part_bytes)
+
+
+@dataclass(frozen=True)
+class PushRequest(Body):
+    lr_scale: float = 1.0  # the job's learning-rate schedule at this clock
+    shm: bool = False  # the gradients are in the wave's push segment, not in tensor frames
+    skip: bool = False  # no gradients this clock (fp16 overflow): the clock passes, nothing else
+    part_bytes: int = 0  # the weights that come back: as PullRequest.part_bytes
+    # keys of trainable chunks whose parameters got no gradient (not used by this step's loss):
+    # zeros travel in their place, and the shard leaves them out of the update, as torch's
+    # optimizers skip a parameter whose .grad is None (no weight decay, no momentum step)
+    absent: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.skip and self.shm:
+            raise ValueError("a skipped step carries no gradients, in frames or a segment")
+        if self.skip and self.absent:
+            raise ValueError("a skipped step carries no gradients to leave out")
+        if not 0.0 <= self.lr_scale <= 1.0:
+            raise ValueError(f"lr_scale must be a number in [0, 1], got {self.lr_scale!r}")
+        _check_part_bytes(self.part_bytes)
+
+
+def _check_part_bytes(part_bytes: int) -> None:
+    if part_bytes < 0:
+        raise ValueError(f"part_bytes must be >= 0 (0: one message), got {part_bytes!r}")
+
+
+@dataclass(frozen=True)
+class HeartbeatRequest(Body):
+    waves: list[int]  # indices of the sending worker's live waves
+
+
+@dataclass(frozen=True)
+class EmptyRequest(Body):
+    pass
+
+
+@dataclass(frozen=True)
+class AttachRequest(Body):
+    transport: str = "shm"  # shm: make this wave's segments; tcp: drop them
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("shm", "tcp"):
+            raise ValueError(f"transport must be shm or tcp, got {self.transport!r}")
+
+
+@dataclass(frozen=True)
+class AdminRequest(Body):
+    token: str = ""  # the shard's admin token (run dir's admin.token), for checkpoint/shutdown
+
+
+REQUEST_BODIES: dict[str, type[Body]] = {
+    Op.REGISTER: RegisterRequest,
+    Op.INIT: InitRequest,
+    Op.PULL: PullRequest,
+    Op.PUSH: PushRequest,
+    Op.PUSH_PULL: PushRequest,
+    Op.LEAVE: EmptyRequest,
+    Op.HEARTBEAT: HeartbeatRequest,
+    Op.ATTACH: AttachRequest,
+    Op.STATS: EmptyRequest,
+    Op.CHECKPOINT: AdminRequest,
+    Op.SHUTDOWN: AdminRequest,
+}
+
+
+def request_body(header: Header) -> Any:
+    """The typed body of a request; raises ``ProtocolError`` for an unknown op or a bad body."""
+    cls = REQUEST_BODIES.get(header.op)
+    if cls is None:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_OP,
+            f"unknown op {header.op!r}; known: " + ", ".join(str(o) for o in REQUEST_BODIES),
+        )
+    return cls.from_wire(header.body, str(header.op))
+
+
+@dataclass(frozen=True)
+class Ack(Body):
+    version: int  # the shard's version when it answered
+
+
+@dataclass(frozen=True)
+class RegisterReply(Body):
+    version: int
+    clock: int  # the clock the shard placed this wave at
+    initialized: bool  # False: the shard holds no weights yet and needs an init
+    lost_updates: int = 0  # updates this shard lost to a restart from an older checkpoint
+
+
+@dataclass(frozen=True)
+class InitReply(Body):
+    version: int
+    seeded: bool  # this init seeded the shard (False: it already held weights)
+
+
+@dataclass(frozen=True)
+class PushReply(Body):
+    version: int
+    action: str  # what became of the gradient: applied, dropped, accumulated, skipped
+
+
+@dataclass(frozen=True)
+class WeightsReply(Body):
+    version: int  # the version every tensor of this reply carries
+    clock: int
+    parked_s: float  # how long the staleness bound held the read back
+    slowest_clock: int  # slowest live wave's clock when the read was served (-1: none)
+    action: str = ""  # with push_pull: what became of the pushed gradient
+    shm: bool = False  # the weights are in the wave's pull segment, not in tensor frames
+    # Weights asked for in parts come as ``parts`` messages, numbered from 0, each with its run
+    # of the shard's chunks (header.keys) in the shard's order: the model's, forward first.
+    part: int = 0
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.part < self.parts:
+            raise ValueError(f"part {self.part} of {self.parts}: parts are numbered 0..parts-1")
+
+
+@dataclass(frozen=True)
+class AttachReply(Body):
+    version: int
+    transport: str  # what the shard will use for this wave: shm or tcp
+    push_segment: str = ""  # file names in the shared-memory folder (/dev/shm)
+    pull_segment: str = ""
+    nonce: str = ""  # written into both segments' first bytes: proves the client opened them
+    size: int = 0  # bytes of each segment
+    offsets: list[int] = field(default_factory=list)  # byte offset of each chunk, plan order
+    reason: str = ""  # why the shard offers TCP (no space for segments, --no-shm)
+
+
+@dataclass(frozen=True)
+class CheckpointReply(Body):
+    version: int
+    path: str
+
+
+@dataclass(frozen=True)
+class StatsReply(Body):
+    version: int
+    shard: int
+    update_rule: str  # how pushes become updates: "staleness bound 1", "wave turns", ...
+    parked_now: int
+    rejected: int
+    checkpoint_failures: int
+    waves: dict[str, Any]
+
+
+REPLY_BODIES: dict[str, type[Body]] = {
+    Op.REGISTER: RegisterReply,
+    Op.INIT: InitReply,
+    Op.PULL: WeightsReply,
+    Op.PUSH: PushReply,
+    Op.PUSH_PULL: WeightsReply,
+    Op.LEAVE: Ack,
+    Op.HEARTBEAT: Ack,
+    Op.ATTACH: AttachReply,
+    Op.STATS: StatsReply,
+    Op.CHECKPOINT: CheckpointReply,
+    Op.SHUTDOWN: Ack,
+}
+
+
+def reply_body(op: str, header: Header) -> Any:
+    """The typed body of a reply to ``op`` (a malformed one raises ``BadReply``)."""
+    try:
+        return REPLY_BODIES[op].from_wire(header.body, f"reply to {op}")
+    except ProtocolError as e:
+        raise BadReply(f"unreadable reply: {e.message}") from None
+
+
+def reply_header(request_id: int, body: Body) -> Header:
+    return Header(op=Op.REPLY, request_id=request_id, body=body.to_wire())
