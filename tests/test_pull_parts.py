@@ -22,8 +22,8 @@ from helpers import (
 from wavelet.common.config import OptimizerConfig
 from wavelet.common.messages import WeightsReply, reply_header
 from wavelet.common.protocol import ErrorCode, Header, Op, ShardError, decode, encode
-from wavelet.worker.client import _PullParts
 from wavelet.worker.pull_hooks import PullDuringForward
+from wavelet.worker.rounds import PullParts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,18 +106,18 @@ def test_the_client_refuses_parts_out_of_order_or_of_other_chunks():
             h.keys = keys[run]
             return h, values[run]
 
-        parts = _PullParts(client)
+        parts = PullParts(client)
         with pytest.raises(ShardError, match="part 1 of 2 where part 0 was due"):
             parts.take(0, *part(1, 2, slice(1, None)))
-        parts = _PullParts(client)
+        parts = PullParts(client)
         assert parts.take(0, *part(0, 2, slice(0, 1))) is False
         with pytest.raises(ShardError, match="were due"):  # chunk 0 again, not chunk 1
             parts.take(0, *part(1, 2, slice(0, 1)))
-        parts = _PullParts(client)
+        parts = PullParts(client)
         assert parts.take(0, *part(0, 2, slice(0, 1))) is False
         with pytest.raises(ShardError, match="sent 2 of its"):  # a last part that ends early
             parts.take(0, *part(1, 2, slice(1, 2)))
-        parts = _PullParts(client)
+        parts = PullParts(client)
         assert parts.take(0, *part(0, 2, slice(0, 1))) is False
         assert parts.take(0, *part(1, 2, slice(1, None))) is True
         assert parts.loaded == set(keys) and parts.result().versions == [3]

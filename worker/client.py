@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -27,7 +26,6 @@ from wavelet.common.messages import (
     PullRequest,
     PushRequest,
     RegisterRequest,
-    WeightsReply,
     reply_body,
 )
 from wavelet.common.protocol import (
@@ -46,20 +44,15 @@ from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import ShardingPlan
 from wavelet.worker.connection import connect_dealer
 from wavelet.worker.datapath import WaveDataPath
+from wavelet.worker.rounds import (
+    Exchange,
+    PullParts,
+    PullResult,
+    PushRound,
+    StopRequested,
+)
 
 log = logging.getLogger(__name__)
-
-
-class StopRequested(Exception):
-    """The daemon is shutting down; the wave should stop where it is."""
-
-
-@dataclass
-class PullResult:
-    versions: list[int]  # the version each shard's weights carry
-    parked_s: float  # longest time a shard held the pull back for the staleness bound
-    dropped: int = 0  # shards that dropped the gradient pushed with this pull (drop policy)
-    slowest_clock: list[int] = field(default_factory=list)  # per shard, when it served the read
 
 
 class PSClient:
@@ -315,7 +308,7 @@ class PSClient:
         messages: list[tuple[Header, list[torch.Tensor]]],
         recover: Callable[[int], tuple[Header, list[torch.Tensor]]] | None = None,
         pull: bool = False,
-    ) -> _Exchange:
+    ) -> Exchange:
         """Send message i to shard i, then gather every reply (or raise on the first error);
         ``pull``: the replies are weights, loaded as they come (``_open_exchange``).
 
@@ -327,15 +320,15 @@ class PSClient:
         self._gather(exchange, recover)
         return exchange
 
-    def _open_exchange(self, pull: bool = False) -> _Exchange:
+    def _open_exchange(self, pull: bool = False) -> Exchange:
         """A new request id's exchange; ``pull``: its replies are weights, loaded into our
-        tensors part by part as they arrive (``_PullParts``)."""
+        tensors part by part as they arrive (``PullParts``)."""
         self._watch_connections(block_ms=0)
-        return _Exchange(
-            next(self._ids), [None] * len(self.sockets), pull=_PullParts(self) if pull else None
+        return Exchange(
+            next(self._ids), [None] * len(self.sockets), pull=PullParts(self) if pull else None
         )
 
-    def _send_in(self, exchange: _Exchange, i: int, h: Header, tensors, recover) -> None:
+    def _send_in(self, exchange: Exchange, i: int, h: Header, tensors, recover) -> None:
         """Message ``h`` of ``exchange`` to shard ``i``, queued without waiting."""
         if recover is not None and self._restarted[i]:
             exchange.take_rejoin(i, self._rejoin(i, recover))
@@ -345,7 +338,7 @@ class PSClient:
             exchange.unsent[i] = (h, tensors)  # no connection yet: retried in _gather
 
     def _gather(
-        self, exchange: _Exchange, recover, until: Callable[[], bool] | None = None
+        self, exchange: Exchange, recover, until: Callable[[], bool] | None = None
     ) -> list[tuple[Header, list[torch.Tensor]]]:
         """Every reply of ``exchange`` (or raise on the first error), under one deadline; with
         ``until``, only until ``until()`` holds (some replies may then still be missing)."""
@@ -507,171 +500,3 @@ class PSClient:
             f"{self.timeout_s:.0f}s after reconnecting",
             [self.addresses[i]],
         )
-
-
-@dataclass
-class _Exchange:
-    """One request id's messages to the shards and the replies gathered so far."""
-
-    request_id: int
-    replies: list
-    unsent: dict[int, tuple[Header, list[torch.Tensor]]] = field(default_factory=dict)
-    pull: _PullParts | None = None  # a pull's replies: weights, taken in part by part
-
-    def take(self, i: int, reply: tuple[Header, list[torch.Tensor]]) -> None:
-        """A reply (or one part of it) from shard ``i``."""
-        if self.pull is None or self.pull.take(i, *reply):
-            self.replies[i] = reply
-
-    def take_rejoin(self, i: int, reply: tuple[Header, list[torch.Tensor]]) -> None:
-        """The pull of a re-join with shard ``i``: it stands in for all of shard i's reply."""
-        if self.pull is not None:
-            self.pull.restart(i)
-        self.take(i, reply)
-
-
-class _PullParts:
-    """A pull's weights, loaded into the wave's tensors as each shard's reply, or each part of
-    it, arrives; ``loaded`` holds the chunk keys in so far (worker/pull_hooks.py waits on it)."""
-
-    def __init__(self, client: PSClient):
-        self.client = client
-        shards = len(client.sockets)
-        self.bodies: list[WeightsReply | None] = [None] * shards
-        self.next_part = [0] * shards
-        self.next_chunk = [0] * shards
-        self.loaded: set[int] = set()
-        self._result: PullResult | None = None
-
-    def take(self, i: int, h: Header, tensors: list[torch.Tensor]) -> bool:
-        """Load one part of shard ``i``'s weights; True once all of its reply is in."""
-        address = self.client.addresses[i]
-        body = reply_body(Op.PULL, h)
-        first = self.bodies[i]
-        if body.part != self.next_part[i] or (first is not None and body.parts != first.parts):
-            raise ShardError(
-                f"shard {address} sent part {body.part} of {body.parts} where part "
-                f"{self.next_part[i]} was due"
-            )
-        if first is None:
-            self.bodies[i] = body
-        try:
-            keys = self.client.data.load(i, body.shm, h.keys, tensors, self.next_chunk[i])
-        except ValueError as e:
-            raise ShardError(f"shard {address} {e}") from None
-        self.loaded.update(keys)
-        self.next_chunk[i] += len(keys)
-        self.next_part[i] += 1
-        if self.next_part[i] < body.parts:
-            return False
-        held = len(self.client.chunks[i])
-        if self.next_chunk[i] != held:
-            raise ShardError(f"shard {address} sent {self.next_chunk[i]} of its {held} chunks")
-        return True
-
-    def restart(self, i: int) -> None:
-        """Shard ``i`` answers afresh (a re-join): forget the parts it sent before."""
-        self.bodies[i] = None
-        self.next_part[i] = self.next_chunk[i] = 0
-
-    def result(self) -> PullResult:
-        """What the whole pull read (every shard's reply is in)."""
-        if self._result is None:
-            bodies = self.bodies
-            versions = [b.version for b in bodies]
-            client = self.client
-            client.last_versions = [
-                max(a, b) for a, b in zip(client.last_versions, versions, strict=True)
-            ]
-            self._result = PullResult(
-                versions=versions,
-                parked_s=max(b.parked_s for b in bodies),
-                dropped=sum(b.action == "dropped" for b in bodies),
-                slowest_clock=[b.slowest_clock for b in bodies],
-            )
-        return self._result
-
-
-class PendingPull:
-    """The weights of a push_pull still on their way (``PushRound.finish(defer=True)``): the
-    wave's next forward waits only for the chunks each layer needs (``wait_for``, from
-    worker/pull_hooks.py) and ``result`` for the rest. Its sockets are used by whichever thread
-    calls, one at a time: the wave's, or the computing thread while the wave's waits on it."""
-
-    def __init__(self, client: PSClient, exchange: _Exchange, recover):
-        self.client, self.exchange, self.recover = client, exchange, recover
-        self.waited_s = 0.0  # spent waiting for weights, in wait_for and result
-
-    @property
-    def loaded(self) -> set[int]:
-        return self.exchange.pull.loaded
-
-    def wait_for(self, keys: frozenset[int]) -> None:
-        """Return once every chunk in ``keys`` is loaded."""
-        loaded = self.loaded
-        if keys <= loaded:
-            return
-        began = time.perf_counter()
-        self.client._gather(self.exchange, self.recover, until=lambda: keys <= loaded)
-        self.waited_s += time.perf_counter() - began
-
-    def result(self) -> PullResult:
-        """Every shard's weights loaded; what the pull read."""
-        if any(r is None for r in self.exchange.replies):
-            began = time.perf_counter()
-            self.client._gather(self.exchange, self.recover)
-            self.waited_s += time.perf_counter() - began
-        return self.exchange.pull.result()
-
-
-class PushRound:
-    """One push_pull, sent shard by shard: ``send(shard)`` as soon as backward has made that
-    shard's gradients (worker/push_hooks.py calls it from a gradient hook, while backward goes
-    on), ``finish()`` for the rest and every reply. Each shard still gets one whole push: a
-    version means one push, as before."""
-
-    def __init__(self, client: PSClient, clock: int, read_versions: list[int], lr_scale: float):
-        self.client, self.clock = client, clock
-        self.read_versions, self.lr_scale = read_versions, lr_scale
-        self.exchange = client._open_exchange(pull=True)
-        self.sent = [False] * len(client.sockets)
-        self.first_sent_at: float | None = None  # time.perf_counter() of the first send
-
-    @property
-    def early(self) -> int:
-        """Shards whose push went out before ``finish``."""
-        return sum(self.sent)
-
-    def send(self, shard: int) -> None:
-        """Push to ``shard`` now; a shard that restarted waits for ``finish`` (re-joining it is
-        a request of its own, not for the middle of backward)."""
-        c = self.client
-        if self.sent[shard] or c._restarted[shard]:
-            return
-        self.sent[shard] = True
-        if self.first_sent_at is None:
-            self.first_sent_at = time.perf_counter()
-        h, tensors = c._push_message(
-            shard, self.clock, self.read_versions[shard], self.lr_scale, False
-        )
-        c.data.flush()
-        c._send_in(self.exchange, shard, h, tensors, None)
-
-    def finish(self, skip: bool = False, defer: bool = False) -> PullResult | PendingPull:
-        """Push to every shard not pushed yet (``skip``: with no gradients, the fp16 overflow
-        case, which never pushes early) and read every shard's next weights; with ``defer``,
-        return at once and let the next forward take them as they come (``PendingPull``)."""
-        c = self.client
-        if skip and any(self.sent):
-            raise RuntimeError("a skipped step cannot have pushed gradients during backward")
-        late = [i for i, sent in enumerate(self.sent) if not sent]
-        messages = {
-            i: c._push_message(i, self.clock, self.read_versions[i], self.lr_scale, skip)
-            for i in late
-        }
-        c.data.flush()
-        recover = lambda i: c._recover(i, self.clock + 1)  # noqa: E731
-        for i in late:
-            c._send_in(self.exchange, i, *messages[i], recover)
-        pending = PendingPull(c, self.exchange, recover)
-        return pending if defer else pending.result()

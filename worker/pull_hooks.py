@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from wavelet.common.sharding import Chunk
-from wavelet.worker.client import PendingPull
+from wavelet.worker.rounds import PendingPull
 
 
 class PullDuringForward:

@@ -31,7 +31,7 @@ from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.common.step import clip_gradients, load_step
 from wavelet.worker.baton import ForwardBaton, NoBaton
-from wavelet.worker.client import PendingPull, PSClient, PullResult, StopRequested
+from wavelet.worker.client import PSClient
 from wavelet.worker.compute import InlineCompute, SharedCompute
 from wavelet.worker.connection import client_keys
 from wavelet.worker.evaluate import TestSnapshots
@@ -39,6 +39,7 @@ from wavelet.worker.loss_scale import LossScale
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 from wavelet.worker.pull_hooks import PullDuringForward
 from wavelet.worker.push_hooks import PushDuringBackward
+from wavelet.worker.rounds import PendingPull, PullResult, StopRequested
 
 log = logging.getLogger(__name__)
 
