@@ -347,8 +347,25 @@ class JobConfig:
     # Workers heartbeat their live waves every heartbeat_s; a shard that hears nothing from a
     # wave for wave_timeout_s drops it from the membership, so it no longer holds others back.
     heartbeat_s: float = setting(1.0, help="seconds between a worker's heartbeats to the shards")
+    # Leases (docs/faults.md): a wave's process that dies closes its connections and leaves at
+    # once; these bound how long a silent one (a hung process, a vanished host) holds others.
     wave_timeout_s: float = setting(
-        30.0, help="a shard drops a wave it has not heard from for this long"
+        10.0,
+        help="a shard drops a wave it has not heard from for this long (a wave whose connection "
+        "closes, its process killed, is dropped at once)",
+    )
+    shard_replicas: int = setting(
+        1,
+        help="1: a shard's standby (where the deployment hosts one) starts from nothing and "
+        "takes the newest weights a wave has when its primary is lost; 2: every update is "
+        "mirrored to the standby first, so a lost primary loses no update (docs/faults.md)",
+        choices=(1, 2),
+    )
+    shard_timeout_s: float = setting(
+        10.0,
+        help="a wave gives up on a shard whose connection has been down this long: the shard's "
+        "standby takes it over where there is one (shard_replicas), else the job ends naming "
+        "what was lost",
     )
     # The baton passes once the holder's backward has freed all but this fraction of its saved
     # activations; 1.0 passes it the moment the forward ends (see docs/design.md).
@@ -396,6 +413,7 @@ class JobConfig:
             "baton_timeout_s",
             "heartbeat_s",
             "wave_timeout_s",
+            "shard_timeout_s",
         ):
             positive(name, getattr(self, name))
         if not 0.0 <= self.baton_handoff <= 1.0:

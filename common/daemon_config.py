@@ -100,6 +100,27 @@ class PSConfig:
         help="file of the token checkpoint and shutdown requests need (made 0600 if missing; "
         "default RUN_DIR/admin.token)",
     )
+    # Standbys (docs/faults.md): shard i's standby is hosted by the daemon of shard i + 1.
+    standby_bind: str = setting(
+        "",
+        help="also host the standby of the previous shard (index - 1, wrapping), listening on "
+        "this ZeroMQ address; it takes that shard over when its primary is lost",
+    )
+    standby_ready_file: str = setting(
+        "", help="write the hosted standby's address here once it listens"
+    )
+    standby_takeover_file: str = setting(
+        "",
+        help="when the hosted standby takes its shard over, write its address here (where "
+        "that shard's address is looked up: the primary's --ready-file)",
+    )
+    standby_address: str = setting(
+        "", help="where this shard's own standby listens: keep it seeded and tell the waves"
+    )
+    standby_address_file: str = setting(
+        "", help="instead of --standby-address: a file the standby's host writes it to"
+    )
+    standby_role: bool = setting(False, help="this config is a hosted standby's", flag="")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -121,6 +142,20 @@ class PSConfig:
         positive("threads", self.threads)
         check_address("bind", self.bind)
         check_metrics_port(self.metrics_port)
+        for name in ("standby_bind", "standby_address"):
+            if getattr(self, name):
+                check_address(name, getattr(self, name))
+        if self.standby_address and self.standby_address_file:
+            raise ConfigError("give --standby-address or --standby-address-file, not both")
+        if self.standby_bind and self.job.shards < 2:
+            raise ConfigError(
+                "--standby-bind hosts another shard's standby: the job needs 2 or more shards"
+            )
+
+    @property
+    def stands_by_for(self) -> int:
+        """The shard whose standby this daemon hosts (with ``standby_bind``)."""
+        return (self.shard_index - 1) % self.job.shards
 
     @property
     def wave_limit(self) -> int:

@@ -73,6 +73,7 @@ class InitRequest(Body):
     # per key, the dimensions of the tensor it was cut from (chunks are flat): the optimizer's
     # weight_decay_on tells matrices from biases by them; empty: all taken as matrices
     ndims: list[int] = field(default_factory=list)
+    version: int = 0  # the version these weights carry (a wave seeding a standby that took over)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,29 @@ class AdminRequest(Body):
     token: str = ""  # the shard's admin token (run dir's admin.token), for checkpoint/shutdown
 
 
+@dataclass(frozen=True)
+class Seed(Body):
+    """A primary's whole state for its standby (ps/replication.py); tensors follow as frames."""
+
+    token: str  # the job's admin token: only a shard of the job may seed a standby
+    state: dict[str, Any]  # the shard's state dict, tensors replaced by their frame index
+    clocks: list[list]  # [worker, wave, clock] of every wave, as committed by updates
+    promote: bool = False  # the primary is stopping: take the shard over now
+
+
+@dataclass(frozen=True)
+class ReplicaUpdate(Body):
+    """One update a primary applied: its gradients (``keys``, in order) and the buffers'
+    values (``buffers``) as frames, the lr it used and the version it reached."""
+
+    token: str
+    version: int
+    lr_scale: float
+    keys: list[int]
+    buffers: list[int]
+    clocks: list[list]
+
+
 REQUEST_BODIES: dict[str, type[Body]] = {
     Op.REGISTER: RegisterRequest,
     Op.INIT: InitRequest,
@@ -148,6 +172,8 @@ REQUEST_BODIES: dict[str, type[Body]] = {
     Op.STATS: EmptyRequest,
     Op.CHECKPOINT: AdminRequest,
     Op.SHUTDOWN: AdminRequest,
+    Op.SEED: Seed,
+    Op.REPLICATE: ReplicaUpdate,
 }
 
 
@@ -173,6 +199,7 @@ class RegisterReply(Body):
     clock: int  # the clock the shard placed this wave at
     initialized: bool  # False: the shard holds no weights yet and needs an init
     lost_updates: int = 0  # updates this shard lost to a restart from an older checkpoint
+    standby: str = ""  # where this shard's standby listens, to go to if it is lost ("": none)
 
 
 @dataclass(frozen=True)
@@ -246,6 +273,8 @@ REPLY_BODIES: dict[str, type[Body]] = {
     Op.STATS: StatsReply,
     Op.CHECKPOINT: CheckpointReply,
     Op.SHUTDOWN: Ack,
+    Op.SEED: Ack,
+    Op.REPLICATE: Ack,
 }
 
 

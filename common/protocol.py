@@ -18,8 +18,9 @@ import torch
 import zmq
 
 # 2: weights answered in parts (part_bytes); 3: stats name the update rule; 4: pushes name the
-# chunks they carry no gradient for (PushRequest.absent), init the parameters' dimensions
-PROTOCOL_VERSION = 4
+# chunks they carry no gradient for (PushRequest.absent), init the parameters' dimensions;
+# 5: standbys (seed, replicate; moved and not_primary errors; RegisterReply.standby)
+PROTOCOL_VERSION = 5
 
 # A header is small; anything bigger is a malformed or hostile message.
 MAX_HEADER_BYTES = 1 << 20
@@ -39,6 +40,8 @@ class Op(enum.StrEnum):
     STATS = "stats"  # versions, clocks, staleness histograms
     CHECKPOINT = "checkpoint"  # write a checkpoint now
     SHUTDOWN = "shutdown"  # stop the shard daemon
+    SEED = "seed"  # a primary's whole state, to its standby (ps/replication.py)
+    REPLICATE = "replicate"  # one update a primary applied, to its standby
     REPLY = "reply"
     ERROR = "error"
 
@@ -61,6 +64,8 @@ class ErrorCode(enum.StrEnum):
     LIMIT = "limit"
     UNAUTHORIZED = "unauthorized"
     WAVE_IN_USE = "wave_in_use"  # the wave is registered by another connection
+    MOVED = "moved"  # the shard handed itself to its standby (it is stopping): go there
+    NOT_PRIMARY = "not_primary"  # a standby whose primary is alive: it serves nobody yet
     INTERNAL = "internal"
 
 
@@ -88,6 +93,11 @@ class ShardTimeout(ShardError, TimeoutError):
     def __init__(self, message: str, addresses: Sequence[str] = ()):
         super().__init__(message)
         self.addresses = list(addresses)
+
+
+class ShardLost(ShardTimeout):
+    """A shard's connection has been down past the job's ``shard_timeout_s`` and nothing took
+    the shard over: the wave cannot go on without its part of the model."""
 
 
 class RemoteError(ShardError):

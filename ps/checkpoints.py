@@ -52,16 +52,20 @@ class Checkpointer:
         self.seconds = 0.0  # how long the last checkpoint took
         self.ok_at = time.monotonic()  # when the last checkpoint succeeded (or the start)
         self.lost_on_restore = 0  # updates the last run applied that its checkpoint missed
+        self.enabled = True  # a standby writes nothing until it takes its shard over
         self._last = (0, time.monotonic())  # version and time of the last attempt
         self.push_log: RecordWriter | None = None
         if config.run_dir:
+            # a standby that takes its shard over records beside the primary's records, in its
+            # own file (a run dir a launcher shares, a cluster benchmark merges)
+            role = "-takeover" if config.standby_role else ""
             self.push_log = RecordWriter(
-                Path(config.run_dir) / "records" / f"ps-{config.shard_index}-pushes.jsonl"
+                Path(config.run_dir) / "records" / f"ps-{config.shard_index}{role}-pushes.jsonl"
             )
 
     def log_push(self, **record) -> None:
         """One push, as the shard decided it (the last record tells a restore what was lost)."""
-        if self.push_log:
+        if self.push_log and self.enabled:
             self.push_log.write({"t": time.time(), **record})
 
     @property
@@ -108,7 +112,7 @@ class Checkpointer:
         """Checkpoint when due (every N updates and/or S seconds); a failure is counted and
         retried at the next interval, never raised."""
         cfg = self.config
-        if not (cfg.run_dir and self.shard.initialized):
+        if not (cfg.run_dir and self.shard.initialized and self.enabled):
             return
         version, when = self._last
         due_updates = cfg.checkpoint_every and self.shard.version - version >= cfg.checkpoint_every
@@ -132,7 +136,7 @@ class Checkpointer:
         """The final checkpoint (when there is something to save); then the push log closes,
         whatever the checkpoint raised."""
         try:
-            if self.config.run_dir and self.shard.initialized:
+            if self.config.run_dir and self.shard.initialized and self.enabled:
                 self.write()
         except Exception as e:
             log.error("final checkpoint failed: %s: %s", type(e).__name__, e)

@@ -7,6 +7,7 @@ staleness bound (``ps/staleness.py``) reads the clocks of the live waves kept he
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from wavelet.common.protocol import ErrorCode, Header, ProtocolError, wave_name
@@ -25,6 +26,20 @@ class Membership:
         """A wave a checkpoint knew: its clock is kept, but it registers again before use."""
         self.clocks.join(wave, clock)
         self.stats.setdefault(wave, WaveStats())
+
+    def restore_clocks(self, clocks: list[list], lease_s: float, timeout_s: float) -> None:
+        """The waves a standby's primary knew, [worker, wave, clock, live] each: their clocks
+        are kept; a live one counts as live for ``lease_s`` more unless it registers (a wave
+        is dropped once silent for ``timeout_s``)."""
+        now = time.monotonic()
+        for worker, index, clock, live in clocks:
+            wave = (str(worker), int(index))
+            self.stats.setdefault(wave, WaveStats())
+            if live:
+                self.clocks.join(wave, int(clock))
+                self.clocks.last_seen[wave] = now - timeout_s + lease_s
+            else:
+                self.clocks.clocks[wave] = int(clock)
 
     def register(self, peer: Peer, h: Header, resume: bool, exact: bool) -> tuple[WaveId, int]:
         """``h``'s wave joins (or re-joins) on ``peer``'s connection; returns it and its clock."""

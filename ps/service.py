@@ -33,6 +33,8 @@ from wavelet.common.messages import (
     PushRequest,
     RegisterReply,
     RegisterRequest,
+    ReplicaUpdate,
+    Seed,
     StatsReply,
     WeightsReply,
     reply_header,
@@ -55,6 +57,7 @@ from wavelet.ps.owners import Peer
 from wavelet.ps.parked import ParkedPull, ParkedPulls
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import WaveId
+from wavelet.ps.standby import StandbyRole
 from wavelet.ps.update_rules import Updates, shard_optimizer
 
 log = logging.getLogger(__name__)
@@ -94,9 +97,17 @@ class ShardService:
         }
         self.datapath = ShardDataPath(config, os.getpid())
         self.checkpoints = Checkpointer(config, self.shard, self.clocks)
-        # waves of a restored shard keep their clocks but register again before they push
-        for wave, clock in self.checkpoints.restore():
-            self.members.restore(wave, clock)
+        self.standby: StandbyRole | None = None  # set where this service is a shard's standby
+        self.standby_address = ""  # where this shard's own standby listens (told to waves)
+        self.moved_to = ""  # the standby this shard handed itself over to (it is stopping)
+        self.shut_down_by_admin = False  # the job's end: nothing to hand over
+        self.barrier_passed = False  # every expected wave registered once (or a take-over)
+        if config.standby_role:
+            self.checkpoints.enabled = False  # the primary's own until this takes it over
+        else:
+            # waves of a restored shard keep their clocks but register again before they push
+            for wave, clock in self.checkpoints.restore():
+                self.members.restore(wave, clock)
         self._start_version = self.shard.version
 
     @property
@@ -121,6 +132,10 @@ class ShardService:
             header, tensors = decode(frames)
             request_id = header.request_id
             body = request_body(header)
+            if self.standby is not None:
+                self.standby.admit(header.op)  # serves nobody until it takes the shard over
+            if self.moved_to and header.op not in (Op.STATS, Op.HEARTBEAT):
+                raise ProtocolError(ErrorCode.MOVED, f"the shard moved to {self.moved_to}")
             reply = self._handlers[header.op](peer, header, body, tensors)
         except ProtocolError as e:
             out.append(self._reject(peer.identity, request_id, e.code, e.message, header))
@@ -165,10 +180,19 @@ class ShardService:
         return out + self._housekeeping()
 
     def connection_closed(self, identity: bytes) -> list[Outgoing]:
-        """The transport saw connection ``identity`` close: its waves may be claimed again."""
+        """The transport saw connection ``identity`` close: its waves leave the membership at
+        once (their process died or closed its client; one that is alive re-joins with its next
+        request), so the others go on without waiting for the lease."""
+        if self.standby is not None:
+            self.standby.connection_closed(identity)
+        out: list[Outgoing] = []
         for wave in self.owners.connection_closed(identity):
-            log.info("wave %s: its connection closed", wave_name(*wave))
-        return []
+            if wave in self.clocks.live:
+                log.info(
+                    "wave %s: its connection closed; it leaves the membership", wave_name(*wave)
+                )
+                out += self._leave(wave, "its connection closed; register again")
+        return out
 
     def _housekeeping(self) -> list[Outgoing]:
         """After every request and timer: complete a bulk-synchronous sum, release the pulls
@@ -203,7 +227,9 @@ class ShardService:
         wave, clock = self.members.register(peer, h, body.resume, body.exact)
         log.info("wave %s joined at clock %d", wave_name(*wave), clock)
         lost = self.checkpoints.lost_on_restore if body.resume else 0
-        reply = RegisterReply(self.shard.version, clock, self.shard.initialized, lost)
+        reply = RegisterReply(
+            self.shard.version, clock, self.shard.initialized, lost, self.standby_address
+        )
         return self._reply(peer, h, reply)
 
     def rpc_heartbeat(self, peer: Peer, h: Header, body: HeartbeatRequest, tensors) -> Outgoing:
@@ -212,7 +238,7 @@ class ShardService:
 
     def rpc_init(self, peer, h: Header, body: InitRequest, tensors) -> Outgoing:
         seeded = self.shard.initialize(
-            h.plan, h.keys, tensors, body.trainable, body.wire, body.ndims
+            h.plan, h.keys, tensors, body.trainable, body.wire, body.ndims, body.version
         )
         return self._reply(peer, h, InitReply(self.shard.version, seeded))
 
@@ -267,6 +293,38 @@ class ShardService:
         self.stats[wave].transport = reply.transport
         return [*out, self._reply(peer, h, reply)]
 
+    def rpc_seed(self, peer: Peer, h: Header, body: Seed, tensors) -> Outgoing:
+        return self._reply(peer, h, self._standby_role().seed(peer, h, body, tensors))
+
+    def rpc_replicate(self, peer: Peer, h: Header, body: ReplicaUpdate, tensors) -> Outgoing:
+        return self._reply(peer, h, self._standby_role().replicate(peer, h, body, tensors))
+
+    def _standby_role(self) -> StandbyRole:
+        if self.standby is None:
+            raise ProtocolError(
+                ErrorCode.UNAUTHORIZED, f"shard {self.config.shard_index} is nobody's standby"
+            )
+        return self.standby
+
+    def took_over(self, clocks: list[list], lease_s: float) -> None:
+        """This standby serves its shard from now on: it checkpoints and records pushes, waits
+        for no start barrier, and knows the waves' clocks from the primary (each live wave has
+        ``lease_s`` to register here before it stops counting); with no state from the primary
+        it takes the newest checkpoint it can read, else the first wave seeds it."""
+        self.checkpoints.enabled = True
+        self.barrier_passed = True
+        self.members.restore_clocks(clocks, lease_s, self.config.job.wave_timeout_s)
+        if not self.shard.initialized:
+            for wave, clock in self.checkpoints.restore():
+                self.members.restore(wave, clock)
+
+    def replicated_clocks(self) -> list[list]:
+        """[worker, wave, clock, live] per wave, with the clock its pushes reached in applied
+        updates: a push still in an open synchronous sum is not counted, so after a take-over
+        the standby asks for it again (it dies with the primary's open sum)."""
+        committed = self.updates.committed_clocks(self.clocks.clocks)
+        return [[w[0], w[1], c, w in self.clocks.live] for w, c in committed.items()]
+
     def rpc_stats(self, peer, h: Header, body, tensors) -> Outgoing:
         reply = StatsReply(
             version=self.shard.version,
@@ -287,6 +345,7 @@ class ShardService:
     def rpc_shutdown(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
         self.admin.check(h.op, peer, body.token)
         self.stopping = True
+        self.shut_down_by_admin = True
         return self._reply(peer, h, Ack(self.shard.version))
 
     # --- pushes and pulls ---------------------------------------------------------------------
@@ -371,8 +430,10 @@ class ShardService:
     def _may_read(self, wave: WaveId, clock: int) -> bool:
         if not self.shard.initialized:
             return False
-        if len(self.clocks.clocks) < self.config.expect_waves:
-            return False  # start barrier: wait for the whole job to register
+        if not self.barrier_passed:
+            if len(self.clocks.clocks) < self.config.expect_waves:
+                return False  # start barrier: wait for the whole job to register
+            self.barrier_passed = True
         return self.updates.may_read(wave, clock)
 
     def _serve_parked(self, p: ParkedPull, waited: float) -> list[Outgoing]:

@@ -62,6 +62,8 @@ class Shard:
         self._wire_copy: tuple[int, list[torch.Tensor]] | None = None
         self._all_native = True  # every chunk travels in its own dtype (set by initialize)
         self._params_sent_as_is = True  # some parameter travels in its own dtype
+        # called after every update with its gradients and lr (the primary's replicator)
+        self.on_apply: Callable[[dict[int, torch.Tensor], float], None] | None = None
 
     @property
     def initialized(self) -> bool:
@@ -79,10 +81,13 @@ class Shard:
         trainable: Sequence[bool],
         wire: Sequence[str] = (),
         ndims: Sequence[int] = (),
+        version: int = 0,
     ) -> bool:
         """Seed the shard from a wave's initial weights (full precision, with the dtype each
         chunk travels in: ``wire``, default its own, and the dimensions of the tensor each was
-        cut from: ``ndims``, default 2); returns False if it already was seeded."""
+        cut from: ``ndims``, default 2), at the ``version`` they carry (0 for a new job; a wave
+        seeding a standby that took over with nothing gives the version it last read);
+        returns False if it already was seeded."""
         if self.initialized:
             self.check_plan(plan)
             return False
@@ -137,6 +142,7 @@ class Shard:
             trained = [s.ndim for s in self.specs if s.trainable]
             self.optimizer = self.optimizer_config.build(list(self.params.values()), ndims=trained)
         self.plan = plan
+        self.version = max(0, version)
         return True
 
     def check_plan(self, plan: str) -> None:
@@ -252,6 +258,8 @@ class Shard:
             p.grad = None
         self.version += 1
         self.changes += 1
+        if self.on_apply is not None:
+            self.on_apply(grads, lr_scale)
 
     def _own_weights(self) -> None:
         """Replies still being sent point at the parameters' memory (zero copy). Rather than wait
@@ -299,6 +307,33 @@ class Shard:
         if stacked.is_floating_point():
             return stacked.mean(0)
         return stacked.max(0).values
+
+    def buffer_value(self, key: int) -> torch.Tensor:
+        """The value a pull serves for buffer chunk ``key``."""
+        return self._buffer_value(next(s for s in self.specs if s.key == key))
+
+    def set_buffer(self, key: int, value: torch.Tensor) -> None:
+        """Buffer chunk ``key``'s value, as the primary serves it (a standby kept in step)."""
+        if key not in self.buffers:
+            raise ProtocolError(ErrorCode.UNKNOWN_KEY, f"key {key} is no buffer of this shard")
+        self.buffers[key] = value.to(self.buffers[key].dtype, copy=True)
+        self.wave_buffers.clear()
+        self.changes += 1
+
+    def reload(self, state: dict) -> None:
+        """Take a newer ``state_dict`` of this same shard (a standby seeded again)."""
+        if list(state["keys"]) != self.keys:
+            raise ProtocolError(ErrorCode.PLAN_MISMATCH, "a seed for other chunks than these")
+        for spec, value in zip(self.specs, state["values"], strict=True):
+            if spec.trainable:
+                self.params[spec.key].data.copy_(value)
+            else:
+                self.buffers[spec.key] = value.clone()
+        self.wave_buffers.clear()
+        self.version = state["version"]
+        if state["optimizer"] is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.changes += 1
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved (a restarted shard resuming from its checkpoint)."""

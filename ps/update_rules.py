@@ -161,6 +161,17 @@ class Updates:
     def forget(self, wave: WaveId) -> None:
         self.policy.forget(wave)
 
+    def committed_clocks(self, clocks: dict[WaveId, int]) -> dict[WaveId, int]:
+        """``clocks`` less the pushes still in an open synchronous sum (applied in no update
+        yet): the clocks a copy of this shard's applied updates stands for."""
+        out = dict(clocks)
+        if self.synchronous:
+            for wave, clock in out.items():
+                s = self.sync.sums.get(self.sync.group_of(wave))
+                if s is not None and s.open and clock == s.clock + 1:
+                    out[wave] = clock - 1
+        return out
+
     def _lr_factor(self, gradients: int) -> float:
         """The job's update_lr rule for an update averaging ``gradients`` waves' pushes."""
         waves = self.expect_waves or len(self.clocks.live)

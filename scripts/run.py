@@ -245,9 +245,10 @@ def _shard(config: RunConfig, role: Role, layout: Layout, index: int, store) -> 
         raise ConfigError(str(e)) from None
     store.set(_key(role, f"shard/{index}"), server.address)
     log.info("shard %d of %d serving on %s", index, layout.shards, server.address)
-    from wavelet.scripts.signals import on_signals
+    from wavelet.scripts.signals import on_signals, stop_with_parent
 
     on_signals(server.stop)
+    stop_with_parent(server.stop)
     server.serve_forever()
     return 0
 
@@ -316,9 +317,10 @@ def _worker(config: RunConfig, role: Role, layout: Layout, store) -> int:
     )
     check_job(job, layout.workers * job.waves)
     daemon = WorkerDaemon(worker_config)
-    from wavelet.scripts.signals import on_signals
+    from wavelet.scripts.signals import on_signals, stop_with_parent
 
     on_signals(daemon.stop)
+    stop_with_parent(daemon.stop)
     started = time.time()
     if rank == 0:
         code = _report_while(daemon, job, role, layout, store, addresses, run_dir, started, keys)
@@ -371,6 +373,10 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
 
 def _allreduce_rank(config: RunConfig, role: Role) -> NoReturn:
     import torch
+
+    from wavelet.scripts.signals import stop_with_parent
+
+    stop_with_parent(lambda: os._exit(1), grace_s=0.0)  # a rank alone has nothing to save
 
     from wavelet.worker.allreduce import AllReduceWorker, exit_rank, run_rank
 

@@ -4,7 +4,10 @@ that runs one (``wavelet ps``, ``worker``, ``run``); SIGINT interrupts the launc
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -26,3 +29,22 @@ def interrupt_on_sigint() -> None:
     started with SIGINT ignored, as a shell script's background jobs are: Python installs its
     handler only where SIGINT was not ignored at start, and the daemons already stop on it."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def stop_with_parent(stop: Callable[[], None], every_s: float = 0.5, grace_s: float = 30.0) -> None:
+    """Call ``stop`` once this process's parent is gone, and end the process ``grace_s`` later
+    whatever the stop did. torchrun's agent starts its workers in sessions of their own, so a
+    killed agent (or its killed process group) leaves them running, re-parented to init; this
+    ties their life to the agent's instead."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        log.warning("the parent process (%d) is gone: stopping", parent)
+        stop()
+        time.sleep(grace_s)
+        log.error("still running %.0f s after the parent went: exiting", grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -200,7 +200,7 @@ def test_reading_connection_events_never_blocks_the_client(shard_daemons):
         c._watch_connections(block_ms=0)  # every event taken in: the monitor is empty now
         done = threading.Event()
         reader = threading.Thread(
-            target=lambda: (c._on_monitor_event(c.monitors[0]), done.set()), daemon=True
+            target=lambda: (c._on_monitor_event(c.links[0].monitor), done.set()), daemon=True
         )
         reader.start()
         assert done.wait(TIMEOUT_S), "reading an empty monitor blocked"
@@ -261,7 +261,7 @@ def test_lost_updates_are_counted_exactly(shard_daemons, noticed):
             if noticed == "first":
                 # the client sees the shard come back before it sends anything to it
                 wait_for(
-                    lambda: c._watch_connections(block_ms=100) or c._restarted[0],
+                    lambda: c._watch_connections(block_ms=100) or c.links[0].restarted,
                     patience_s,
                     "the client did not see the shard come back",
                 )

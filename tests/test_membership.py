@@ -1,6 +1,7 @@
-"""Membership: a worker killed with SIGKILL is dropped after the wave timeout so the others go on
-(under s = 0 and a finite s); started again, it rejoins at the current version. A shard that did
-not run does not drop the waves whose heartbeats it could not read."""
+"""Membership: a worker killed with SIGKILL leaves at once (its connections close) so the others go
+on (under s = 0 and a finite s); started again, it rejoins at the current version. A wave that
+goes silent with its connection open is dropped after the wave timeout; a shard that did not run
+does not drop the waves whose heartbeats it could not read."""
 
 import signal
 import time
@@ -63,7 +64,7 @@ def test_killed_worker_is_dropped_and_rejoins(shard_daemons, tmp_path, s):
             b.send_signal(signal.SIGKILL)
             b.wait(10)
         at_kill = len(_steps(a_records))
-        # the wave timeout passes and the shards drop b: a goes on alone
+        # b's connections closed with it and the shards dropped it: a goes on alone
         wait_for(
             lambda: len(_steps(a_records)) > at_kill + 10,
             120,
@@ -91,7 +92,8 @@ def test_killed_worker_is_dropped_and_rejoins(shard_daemons, tmp_path, s):
     rejoined = _steps(b2_records)
     assert rejoined[0]["clock"] > alone // 2, "b should rejoin at the current clock"
     logs = "".join((daemons.tmp / f"ps-{i}.log").read_text() for i in range(2))
-    assert "silent for over" in logs
+    assert "w1/0: its connection closed; it leaves the membership" in logs
+    assert "silent for over" not in logs  # nobody waited for the lease
 
 
 @pytest.mark.timeout(120)

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from wavelet.common.daemon_config import TRANSPORTS
 from wavelet.common.messages import (
@@ -31,10 +30,10 @@ from wavelet.common.messages import (
 from wavelet.common.protocol import (
     ErrorCode,
     Header,
-    NotRegistered,
     Op,
     RemoteError,
     ShardError,
+    ShardLost,
     ShardTimeout,
     decode_reply,
     raise_for_error,
@@ -42,15 +41,18 @@ from wavelet.common.protocol import (
 )
 from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import ShardingPlan
-from wavelet.worker.connection import connect_dealer
 from wavelet.worker.datapath import WaveDataPath
+from wavelet.worker.links import ShardLinks
 from wavelet.worker.rounds import (
+    BudgetSpent,
     Exchange,
     PullParts,
     PullResult,
     PushRound,
     StopRequested,
 )
+
+GOODBYE_S = 2.0  # how long a stopping wave waits for the shards to take its leave
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +74,12 @@ class PSClient:
         transport: str = "auto",
         error_feedback: bool = False,
         part_bytes: int = 0,
+        lost_after_s: float = 10.0,
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if len(addresses) != plan.num_shards:
             raise ValueError(f"{len(addresses)} addresses for a plan of {plan.num_shards} shards")
-        self.addresses = addresses
         self.plan = plan
         self.tensors = tensors
         self.worker = worker
@@ -90,38 +92,19 @@ class PSClient:
         self._ids = itertools.count(1)
         self.data = WaveDataPath(tensors, self.chunks, error_feedback)
         context = context or zmq.Context.instance()
-        self.sockets = []
-        for a in addresses:
-            # Reconnect to a restarted shard with backoff: 0.1 s, doubling up to 5 s.
-            s = connect_dealer(
-                context,
-                a,
-                keys,
-                {
-                    zmq.RECONNECT_IVL: 100,
-                    zmq.RECONNECT_IVL_MAX: 5000,
-                    zmq.SNDTIMEO: int(timeout_s * 1000),  # never block forever on send
-                },
-            )
-            self.sockets.append(s)
-        self.poller = zmq.Poller()
-        for s in self.sockets:
-            self.poller.register(s, zmq.POLLIN)
-        # Connection events tell a shard restart apart from a pull parked by the bound.
-        self.monitors = [
-            s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            for s in self.sockets
-        ]
-        for m in self.monitors:
-            self.poller.register(m, zmq.POLLIN)
-        self._socket_index = {s: i for i, s in enumerate(self.sockets)}
-        self._monitor_index = {m: i for i, m in enumerate(self.monitors)}
-        self._down = [False] * len(self.sockets)
-        self._restarted = [False] * len(self.sockets)
-        self.last_versions = [0] * len(self.sockets)  # newest version seen from each shard
+        self.links = ShardLinks(context, addresses, keys, timeout_s, lost_after_s)
+        self.last_versions = [0] * len(self.links)  # newest version seen from each shard
         self.lost_updates = 0
+        # when the wave's training budget ends (monotonic; None: no budget): a wait for the
+        # shards past it ends the wave (BudgetSpent) instead of outliving --max-seconds
+        self.budget_ends: float | None = None
         self.transport = transport
         self.tcp_reasons: dict[str, str] = {}  # shard address -> why it is reached over TCP
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where each shard is served now (a standby's address once it took a shard over)."""
+        return self.links.addresses
 
     # --- operations ---------------------------------------------------------------------------
 
@@ -134,6 +117,8 @@ class PSClient:
                 lambda: self._all(Op.REGISTER, clock=clock, body=RegisterRequest(resume=resume))
             )
         ]
+        for link, r in zip(self.links.links, replies, strict=True):
+            link.standby = r.standby  # where to go if the shard is lost
         if resume:  # updates the shards applied before the stop that their checkpoints missed
             self.lost_updates += sum(r.lost_updates for r in replies)
         clocks = [r.clock for r in replies]
@@ -148,7 +133,7 @@ class PSClient:
             ]
             clocks = [r.clock for r in replies]
         self.init()
-        for i in range(len(self.sockets)):
+        for i in range(len(self.links)):
             self._attach(i)
         return clocks
 
@@ -172,6 +157,7 @@ class PSClient:
                 trainable=[c.trainable for c in chunks],
                 wire=[c.wire for c in chunks],
                 ndims=[self.data.tensors[c.name].dim() for c in chunks],
+                version=self.last_versions[shard],  # what our weights carry (0 at the start)
             ),
         )
         return h, self.data.weights(shard)
@@ -190,7 +176,7 @@ class PSClient:
                 ),
                 [],
             )
-            for shm in map(self.data.shm, range(len(self.sockets)))
+            for shm in map(self.data.shm, range(len(self.links)))
         ]
         recover = None if observer else (lambda i: self._recover(i, clock))
         return self._exchange(messages, recover, pull=True).pull.result()
@@ -241,18 +227,42 @@ class PSClient:
     def leave(self) -> None:
         try:
             self._all(Op.LEAVE)
-        except NotRegistered:
-            pass  # a shard that restarted or dropped us: there is nothing to leave
+        except RemoteError as e:
+            # a shard that restarted or dropped us, or that handed itself to its standby (where
+            # the standby's lease ends us): there is nothing to leave
+            if e.code not in (ErrorCode.NOT_REGISTERED, ErrorCode.MOVED):
+                raise
 
     def stats(self) -> list[dict]:
         return [h.body for h, _ in self._all(Op.STATS)]
 
+    def goodbye(self, timeout_s: float = GOODBYE_S) -> None:
+        """Leave every shard that answers within ``timeout_s``, whatever else happens (a stop,
+        a shard that is gone): a wave that stops says so, and nobody waits for its lease."""
+        rid = next(self._ids)
+        waiting = set()
+        for i in range(len(self.links)):
+            h = self._header(Op.LEAVE)
+            h.request_id = rid
+            if self.links[i].down_since is None and self._try_send(i, h, []):
+                waiting.add(i)
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            for sock, _ in self.links.poller.poll(50):
+                monitor, i = self.links.which(sock)
+                if monitor:
+                    self.links.take_event(i)
+                    continue
+                try:
+                    h, _ = decode_reply(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                except (zmq.Again, ShardError):
+                    continue
+                if h.request_id == rid:
+                    waiting.discard(i)
+
     def close(self) -> None:
         self.data.close()
-        for s, m in zip(self.sockets, self.monitors, strict=True):
-            s.disable_monitor()
-            m.close(linger=0)
-            s.close(linger=0)
+        self.links.close()
 
     # --- shared memory ------------------------------------------------------------------------
 
@@ -301,7 +311,7 @@ class PSClient:
         )
 
     def _all(self, op: Op, **fields) -> list[tuple[Header, list[torch.Tensor]]]:
-        return self._exchange([(self._header(op, **fields), []) for _ in self.sockets]).replies
+        return self._exchange([(self._header(op, **fields), []) for _ in self.links.links]).replies
 
     def _exchange(
         self,
@@ -325,12 +335,12 @@ class PSClient:
         tensors part by part as they arrive (``PullParts``)."""
         self._watch_connections(block_ms=0)
         return Exchange(
-            next(self._ids), [None] * len(self.sockets), pull=PullParts(self) if pull else None
+            next(self._ids), [None] * len(self.links), pull=PullParts(self) if pull else None
         )
 
     def _send_in(self, exchange: Exchange, i: int, h: Header, tensors, recover) -> None:
         """Message ``h`` of ``exchange`` to shard ``i``, queued without waiting."""
-        if recover is not None and self._restarted[i]:
+        if recover is not None and self.links[i].restarted:
             exchange.take_rejoin(i, self._rejoin(i, recover))
             return
         h.request_id = exchange.request_id
@@ -347,6 +357,8 @@ class PSClient:
         while any(r is None for r in replies) and not (until is not None and until()):
             if self.stop.is_set():
                 raise StopRequested()
+            if self.budget_ends is not None and time.monotonic() > self.budget_ends:
+                raise BudgetSpent()
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [self.addresses[i] for i, r in enumerate(replies) if r is None]
@@ -360,11 +372,11 @@ class PSClient:
             wait_s = min(left, 0.05 if unsent else 0.2)
             # Never a blocking read below: a re-join while handling one ready socket may read
             # what the same poll found ready on another (its reply, its connection events).
-            for sock, _ in self.poller.poll(wait_s * 1000):
-                if sock in self._monitor_index:
+            for sock, _ in self.links.poller.poll(wait_s * 1000):
+                monitor, i = self.links.which(sock)
+                if monitor:
                     self._on_monitor_event(sock)
                     continue
-                i = self._socket_index[sock]
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
@@ -373,32 +385,94 @@ class PSClient:
                 if h.request_id != rid or replies[i] is not None:
                     continue  # a late answer to a request we gave up on or recovered from
                 if h.op == Op.ERROR:
-                    if recover is not None and h.body.get("code") == ErrorCode.NOT_REGISTERED:
+                    code = h.body.get("code")
+                    if recover is not None and code == ErrorCode.NOT_REGISTERED:
                         # dropped from the membership (silent too long): join again
                         exchange.take_rejoin(i, self._rejoin(i, recover))
                         continue
+                    if recover is not None and code == ErrorCode.MOVED and self.links[i].standby:
+                        # the shard handed itself to its standby (it was stopped): follow it
+                        self.links[i].down_since = time.monotonic()
+                        exchange.take_rejoin(i, self._fail_over(i, recover, handed=True))
+                        continue
                     raise_for_error(h, self.addresses[i])
                 exchange.take(i, (h, tensors))
-            if recover is not None:
-                for i, r in enumerate(replies):
-                    if r is None and self._restarted[i]:
-                        unsent.pop(i, None)  # the re-join's pull stands in for it
-                        exchange.take_rejoin(i, self._rejoin(i, recover))
+            for i, r in enumerate(replies):
+                if r is not None:
+                    continue
+                link = self.links[i]
+                if recover is not None and link.restarted:
+                    unsent.pop(i, None)  # the re-join's pull stands in for it
+                    exchange.take_rejoin(i, self._rejoin(i, recover))
+                elif recover is not None and link.down_since is not None and link.standby:
+                    unsent.pop(i, None)
+                    exchange.take_rejoin(i, self._fail_over(i, recover))
+                elif self.links.lost(i):
+                    raise self._lost(i)
         return replies
 
-    # --- shard restarts -----------------------------------------------------------------------
+    # --- lost, restarted and moved shards ----------------------------------------------------
+
+    def _lost(self, i: int, why: str = "") -> ShardLost:
+        """The error that ends a wave whose shard ``i`` is gone for good."""
+        chunks = self.chunks[i]
+        mb = sum(c.numel * self.data.tensors[c.name].element_size() for c in chunks) / 1e6
+        standby = self.links[i].standby
+        why = why or (
+            f"its standby at {standby} did not take it over"
+            if standby
+            else "it has no standby (--shard-replicas 2 keeps a copy on another node)"
+        )
+        return ShardLost(
+            f"shard {i} at {self.addresses[i]} is gone: no connection for "
+            f"{self.links.down_for(i):.0f} s (shard_timeout_s {self.links.lost_after_s:g}); it "
+            f"held {len(chunks)} chunk(s) of the model ({mb:.1f} MB) and {why}: the job cannot "
+            "go on without them",
+            [self.addresses[i]],
+        )
+
+    def _fail_over(self, i: int, recover, handed: bool = False) -> tuple[Header, list]:
+        """Shard ``i``'s connection is down (or it said it moved): go to its standby, which takes
+        the shard over once it too has lost the primary, and re-join there; the re-join's answer
+        stands in for shard i's reply. Raises ``ShardLost`` when the standby does not take over
+        within the lost time."""
+        link = self.links[i]
+        primary, standby, since = link.address, link.standby, link.down_since
+        log.warning(
+            "shard %d at %s %s: wave %s/%d moves to its standby at %s",
+            i,
+            primary,
+            "handed itself over" if handed else "lost its connection",
+            self.worker,
+            self.wave,
+            standby,
+        )
+        self.links.move(i, standby)
+        self.links[i].down_since = since  # the lost time counts from the first trouble
+        self.data.use_tcp(i)  # another host, maybe: attach decides again
+        while True:
+            try:
+                return recover(i)
+            except RemoteError as e:
+                if e.code != ErrorCode.NOT_PRIMARY:
+                    raise
+            waited = time.monotonic() - (since or time.monotonic())
+            if waited > self.links.lost_after_s:
+                raise self._lost(i, f"its standby at {standby} says the primary is alive")
+            if self.stop.wait(0.2):
+                raise StopRequested()
 
     def _try_send(self, i: int, header: Header, tensors: list[torch.Tensor]) -> bool:
         """Queue a message for shard ``i`` without waiting; False while it cannot be queued."""
         try:
-            send_message(self.sockets[i], header, tensors, flags_nonblocking=True)
+            send_message(self.links[i].socket, header, tensors, flags_nonblocking=True)
         except zmq.Again:
             return False
         return True
 
     def _send(self, i: int, header: Header, tensors: list[torch.Tensor]) -> None:
         try:
-            send_message(self.sockets[i], header, tensors)
+            send_message(self.links[i].socket, header, tensors)
         except zmq.Again:  # no connection to queue on within SNDTIMEO
             raise ShardTimeout(
                 f"could not send to shard {self.addresses[i]} within {self.timeout_s:.0f}s; "
@@ -407,29 +481,18 @@ class PSClient:
             ) from None
 
     def _watch_connections(self, block_ms: int) -> None:
-        for mon in self.monitors:
-            while mon.poll(block_ms):
-                self._on_monitor_event(mon)
+        for link in self.links.links:
+            while link.monitor.poll(block_ms):
+                self._on_monitor_event(link.monitor)
 
     def _on_monitor_event(self, mon: zmq.Socket) -> None:
-        i = self._monitor_index[mon]
-        try:
-            event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
-        except zmq.Again:
-            return  # already taken in by a re-join's _watch_connections
-        if event == zmq.EVENT_DISCONNECTED:
-            self._down[i] = True
-        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._down[i]:
-            # The shard is back; it may have restarted from an older checkpoint.
-            self._down[i] = False
-            self._restarted[i] = True
+        self.links.take_event(self.links.which(mon)[1])
 
     def _rejoin(self, i: int, recover) -> tuple[Header, list[torch.Tensor]]:
         # The reconnection that brought us here was reported before its first reply came: take
         # it in now, so that it does not trigger a second re-join at the next request.
         self._watch_connections(block_ms=0)
-        self._restarted[i] = False
-        self._down[i] = False
+        self.links[i].restarted = False
         log.warning(
             "shard %s reconnected: wave %s/%d registers again",
             self.addresses[i],
@@ -438,11 +501,29 @@ class PSClient:
         )
         return recover(i)
 
-    def _recover(self, i: int, clock: int) -> tuple[Header, list[torch.Tensor]]:
+    def _recover(
+        self, i: int, clock: int, repush: Callable[[], tuple[Header, list]] | None = None
+    ) -> tuple[Header, list[torch.Tensor]]:
         """Register with shard ``i`` again at ``clock`` (seeding it if it came back empty) and
-        pull its weights; counts the updates it lost (versions we saw that it no longer has)."""
-        h = self._register_again(i, clock)
+        pull its weights; counts the updates it lost (versions we saw that it no longer has).
+
+        A standby that took the shard over knows our clock from its primary: where it lacks our
+        push for ``clock - 1`` (the primary took it but died before passing it on), ``repush``
+        gives that push again and its answer stands in for the pull."""
+        if self.links[i].moved:
+            h = self._while_in_use(
+                lambda: self._request_one(
+                    i, self._header(Op.REGISTER, clock=clock, body=RegisterRequest(resume=True))
+                )
+            )
+            kept = reply_body(Op.REGISTER, h)
+            if not (kept.initialized and kept.clock in (clock, clock - 1) and repush):
+                h = self._register_again(i, clock)
+        else:
+            h = self._register_again(i, clock)
         registered = reply_body(Op.REGISTER, h)
+        if not self.links[i].moved:
+            self.links[i].standby = registered.standby
         restored = registered.version
         lost = max(0, self.last_versions[i] - restored)
         self.lost_updates += lost
@@ -455,6 +536,10 @@ class PSClient:
             self.data.flush()
             self._request_one(i, init, tensors)
         self._attach(i)  # a restarted shard made new segments (or none)
+        if repush is not None and registered.initialized and registered.clock == clock - 1:
+            header, tensors = repush()  # our push for clock - 1, again, with the pull after it
+            self.data.flush()
+            return self._request_one_reply(i, header, tensors)
         return self._request_one_reply(i, self._header(Op.PULL, clock=clock))
 
     def _register_again(self, i: int, clock: int) -> Header:
@@ -483,7 +568,7 @@ class PSClient:
 
     def _request_one_reply(self, i: int, header: Header, tensors=()):
         header.request_id = rid = next(self._ids)
-        sock = self.sockets[i]
+        sock = self.links[i].socket
         self._send(i, header, list(tensors))
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
@@ -495,6 +580,9 @@ class PSClient:
                     continue
                 raise_for_error(h, self.addresses[i])
                 return h, out
+            self.links.watch()
+            if self.links.lost(i):
+                raise self._lost(i)
         raise ShardTimeout(
             f"shard {self.addresses[i]} did not answer {header.op} within "
             f"{self.timeout_s:.0f}s after reconnecting",

@@ -147,7 +147,15 @@ def evaluate_shards(
     plan = ShardingPlan.for_job(model, job)
     tensors = {name: t for name, t, _ in model_tensors(model)}
     client = PSClient(
-        addresses, plan, tensors, "eval", 0, job.request_timeout_s, context=context, keys=keys
+        addresses,
+        plan,
+        tensors,
+        "eval",
+        0,
+        job.request_timeout_s,
+        context=context,
+        keys=keys,
+        lost_after_s=job.shard_timeout_s,
     )
     try:
         client.pull(0, observer=True, master=True)  # the trained model, not its wire copy

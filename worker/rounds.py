@@ -25,6 +25,10 @@ class StopRequested(Exception):
     """The daemon is shutting down; the wave should stop where it is."""
 
 
+class BudgetSpent(Exception):
+    """The wave's training budget (``max_seconds``) ended while it waited for the shards."""
+
+
 @dataclass
 class PullResult:
     versions: list[int]  # the version each shard's weights carry
@@ -60,7 +64,7 @@ class PullParts:
 
     def __init__(self, client: PSClient):
         self.client = client
-        shards = len(client.sockets)
+        shards = len(client.links)
         self.bodies: list[WeightsReply | None] = [None] * shards
         self.next_part = [0] * shards
         self.next_chunk = [0] * shards
@@ -158,7 +162,7 @@ class PushRound:
         self.client, self.clock = client, clock
         self.read_versions, self.lr_scale = read_versions, lr_scale
         self.exchange = client._open_exchange(pull=True)
-        self.sent = [False] * len(client.sockets)
+        self.sent = [False] * len(client.links)
         self.first_sent_at: float | None = None  # time.perf_counter() of the first send
 
     @property
@@ -170,7 +174,7 @@ class PushRound:
         """Push to ``shard`` now; a shard that restarted waits for ``finish`` (re-joining it is
         a request of its own, not for the middle of backward)."""
         c = self.client
-        if self.sent[shard] or c._restarted[shard]:
+        if self.sent[shard] or c.links[shard].restarted:
             return
         self.sent[shard] = True
         if self.first_sent_at is None:
@@ -194,7 +198,16 @@ class PushRound:
             for i in late
         }
         c.data.flush()
-        recover = lambda i: c._recover(i, self.clock + 1)  # noqa: E731
+
+        def recover(i: int):
+            # a standby that lacks this push (its primary died with it) is given it again
+            def again():
+                return c._push_message(
+                    i, self.clock, self.read_versions[i], self.lr_scale, skip and not self.sent[i]
+                )
+
+            return c._recover(i, self.clock + 1, repush=again)
+
         for i in late:
             c._send_in(self.exchange, i, *messages[i], recover)
         pending = PendingPull(c, self.exchange, recover)

@@ -39,7 +39,7 @@ from wavelet.worker.loss_scale import LossScale
 from wavelet.worker.memory import SavedActivationMeter, device_memory
 from wavelet.worker.pull_hooks import PullDuringForward
 from wavelet.worker.push_hooks import PushDuringBackward
-from wavelet.worker.rounds import PendingPull, PullResult, StopRequested
+from wavelet.worker.rounds import BudgetSpent, PendingPull, PullResult, StopRequested
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class Wave:
             self.config.transport,
             job.wire_error_feedback,
             part_bytes=job.pull_part_kib * 1024 if job.pull_during_forward else 0,
+            lost_after_s=job.shard_timeout_s,
         )
         self.pusher = None
         # fp16's skip and clipping's norm need every gradient: those push after backward
@@ -156,12 +157,16 @@ class Wave:
             self.puller = PullDuringForward(model, tensors, client.chunks)
         try:
             last = self._run_epochs(model, meter, client, part, steps)
+            client.budget_ends = None  # what is left to say to the shards may take its time
             if not self.stop.is_set():
                 _settle(last)  # the model ends on the last weights
                 client.leave()
                 self.baton.leave(ident.local)  # the other waves go on while this one tests
                 # the copies taken during training (eval_every_s)
                 self.tests.test_copies(model, self.records.write, self.stop)
+        except StopRequested:
+            client.goodbye()  # a stop (SIGTERM: preemption) leaves now, not after the lease
+            raise
         except ShardError:
             raise  # the shards do not answer: leaving would wait on them again
         except Exception:
@@ -187,8 +192,11 @@ class Wave:
                     }
                 )
 
-    def _run_epochs(self, model, meter, client, part, steps: int) -> PullResult | PendingPull:
-        """Train until the budget is spent; returns the last pull (maybe still on its way)."""
+    def _run_epochs(
+        self, model, meter, client, part, steps: int
+    ) -> PullResult | PendingPull | None:
+        """Train until the budget is spent; returns the last pull (maybe still on its way; None
+        where the budget ended while it was)."""
         job, ident = self.job, self.ident
         clock = max(client.register(0, resume=self.config.resume))
         # Resuming, the wave goes on from the iteration its clock says it had reached.
@@ -213,35 +221,43 @@ class Wave:
             }
         )
         started = time.monotonic()
+        if job.max_seconds:
+            client.budget_ends = started + job.max_seconds
         iteration = first
-        for epoch in range(first // steps, job.epochs if job.epochs else 1 << 30):
-            model.train()
-            batches = part.batches(job.batch_size, epoch, job.seed + 7919 * ident.global_index)
-            for skipped, batch in enumerate(batches):
-                if epoch == first // steps and skipped < first % steps:
-                    continue
-                if self.stop.is_set():
-                    raise StopRequested()
-                if job.max_seconds and time.monotonic() - started >= job.max_seconds:
-                    return pulled
-                meter.tracing = iteration < job.memory_trace_iters
-                done = progress(
-                    iteration, job.epochs * steps, time.monotonic() - started, job.max_seconds
-                )
-                lr_scale = lr_factor(job.lr_schedule, done)
-                pulled = self._step(
-                    model, meter, client, batch, clock, pulled, epoch, iteration, lr_scale
-                )
-                clock += 1
-                iteration += 1
-                if self.evaluate:
-                    if self.tests.due():
-                        _settle(pulled)  # a copy of the weights this step's push made
-                    self.tests.maybe_take(model, epoch)
-            if self.evaluate and job.eval_every and (epoch + 1) % job.eval_every == 0:
-                _settle(pulled)
-                self.tests.test_epoch(model, epoch, self.records.write)
-            self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
+        try:
+            for epoch in range(first // steps, job.epochs if job.epochs else 1 << 30):
+                model.train()
+                batches = part.batches(job.batch_size, epoch, job.seed + 7919 * ident.global_index)
+                for skipped, batch in enumerate(batches):
+                    if epoch == first // steps and skipped < first % steps:
+                        continue
+                    if self.stop.is_set():
+                        raise StopRequested()
+                    if job.max_seconds and time.monotonic() - started >= job.max_seconds:
+                        return pulled
+                    meter.tracing = iteration < job.memory_trace_iters
+                    done = progress(
+                        iteration, job.epochs * steps, time.monotonic() - started, job.max_seconds
+                    )
+                    lr_scale = lr_factor(job.lr_schedule, done)
+                    pulled = self._step(
+                        model, meter, client, batch, clock, pulled, epoch, iteration, lr_scale
+                    )
+                    clock += 1
+                    iteration += 1
+                    if self.evaluate:
+                        if self.tests.due():
+                            _settle(pulled)  # a copy of the weights this step's push made
+                        self.tests.maybe_take(model, epoch)
+                if self.evaluate and job.eval_every and (epoch + 1) % job.eval_every == 0:
+                    _settle(pulled)
+                    self.tests.test_epoch(model, epoch, self.records.write)
+                self.records.write({"kind": "epoch", "t": time.time(), "epoch": epoch})
+        except BudgetSpent:
+            # the budget ended while the shards held an answer back (a bound, a turn, a shard
+            # being taken over): the push went out; its weights are not waited for
+            log.info("wave %s: the budget ended while it waited for the shards", ident.name)
+            return None
         return pulled
 
     def _step(self, model, meter, client, batch, clock, pulled, epoch, iteration, lr_scale):
@@ -375,7 +391,7 @@ def _leave_quietly(client: PSClient, name: str) -> None:
         log.warning("wave %s failed and could not leave the shards: %s", name, e)
 
 
-def _settle(pulled: PullResult | PendingPull) -> None:
+def _settle(pulled: PullResult | PendingPull | None) -> None:
     """Wait for a deferred pull's weights, where the model must hold them now."""
     if isinstance(pulled, PendingPull):
         pulled.result()
