@@ -145,6 +145,7 @@ class Seed(Body):
     state: dict[str, Any]  # the shard's state dict, tensors replaced by their frame index
     clocks: list[list]  # [worker, wave, clock] of every wave, as committed by updates
     promote: bool = False  # the primary is stopping: take the shard over now
+    hello: bool = False  # no state: the primary says who it is (shard_replicas = 1)
 
 
 @dataclass(frozen=True)

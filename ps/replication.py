@@ -156,8 +156,12 @@ class Replicator:
                 self.seeded = False
                 continue
             self.acked = max(self.acked, reply_body(Op.SEED, h).version)
-        if self.connected and not self.seeded and service.shard.initialized:
-            self.seed(service)
+        if self.connected and not self.seeded:
+            if not self.mirror:  # without mirroring only a handover seeds: say who we are
+                self._send(Op.SEED, Seed(token=self.token, state={}, clocks=[], hello=True), [])
+                self.seeded = True
+            elif service.shard.initialized:
+                self.seed(service)
 
     def seed(self, service, promote: bool = False) -> None:
         """The whole shard, as it is now, to the standby (``promote``: and take it over)."""

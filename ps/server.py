@@ -123,16 +123,17 @@ class ShardServer:
             log.info("standby of shard %d listening on %s", cfg.stands_by_for, self.hosted.address)
             if cfg.standby_ready_file:
                 _write_atomically(Path(cfg.standby_ready_file), self.hosted.address)
-        if cfg.ready_file:
-            _write_atomically(Path(cfg.ready_file), self.address)
         poller = zmq.Poller()
         for e in self.endpoints:
             poller.register(e.socket, zmq.POLLIN)
+        # this shard's own standby is known before any wave is told where it is (ready)
+        if self._standby_address():
+            self._start_replicator(poller)
+        if cfg.ready_file:
+            _write_atomically(Path(cfg.ready_file), self.address)
         next_tick = time.monotonic() + TICK_S
         try:
             while not self.service.stopping:
-                if self.replicator is None and self._standby_address():
-                    self._start_replicator(poller)
                 wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
                 if poller.poll(wait_ms):
                     self._replicate()
@@ -175,15 +176,24 @@ class ShardServer:
     # --- standbys -----------------------------------------------------------------------------
 
     def _standby_address(self) -> str:
-        """Where this shard's standby listens: given, or written by its host ("" : not yet)."""
+        """Where this shard's standby listens: given, or written by its host to a file (waited
+        for while its host starts); "" where it has none."""
         cfg = self.config
-        if cfg.standby_address:
+        if cfg.standby_address or not cfg.standby_address_file:
             return cfg.standby_address
-        if cfg.standby_address_file:
-            path = Path(cfg.standby_address_file)
-            if path.exists():
-                return path.read_text().strip()
-        return ""
+        path = Path(cfg.standby_address_file)
+        deadline = time.monotonic() + STANDBY_ADDRESS_WAIT_S
+        while not path.exists():
+            if self.service.stopping or time.monotonic() > deadline:
+                log.error(
+                    "shard %d: no standby address in %s after %.0f s; going on without one",
+                    cfg.shard_index,
+                    path,
+                    STANDBY_ADDRESS_WAIT_S,
+                )
+                return ""
+            time.sleep(0.05)
+        return path.read_text().strip()
 
     def _start_replicator(self, poller: zmq.Poller) -> None:
         address = self._standby_address()
@@ -198,7 +208,9 @@ class ShardServer:
             lost_after_s=job.shard_timeout_s,
         )
         self.service.standby_address = address
-        self.primary.in_step = lambda: self.replicator.in_step
+        # a reply waits while an update it may show is not yet with the standby (still to be
+        # sent, or not acknowledged)
+        self.primary.in_step = lambda: not self._pending and self.replicator.in_step
         self.service.shard.on_apply = self._applied
         self._pending: list = []
         poller.register(self.replicator.socket, zmq.POLLIN)
@@ -267,8 +279,8 @@ class ShardServer:
             while time.monotonic() < deadline and self.primary.serve_one():
                 pass
         else:
-            log.error(
-                "shard %d could not hand itself to its standby at %s: its waves lose it",
+            log.warning(
+                "shard %d could not hand itself over: its standby at %s does not answer",
                 self.config.shard_index,
                 r.address,
             )

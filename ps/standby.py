@@ -51,6 +51,8 @@ class StandbyRole:
     def seed(self, peer: Peer, h: Header, body: Seed, tensors) -> Ack:
         self._from_primary(h, peer, body.token)
         shard = self.service.shard
+        if body.hello:
+            return Ack(shard.version)
         state = state_from_wire(body.state, list(tensors))
         if not shard.initialized:
             shard.load_state_dict(state)

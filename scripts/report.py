@@ -110,7 +110,7 @@ def train_and_report(daemon) -> int:
             run_dir,
             f"ps (worker {cfg.rank})",
             cfg.job,
-            daemon.config.shard_addresses,  # read from their files where it was given those
+            daemon.shard_addresses,  # where the shards are now (a standby took one over?)
             progress,
             client_keys(cfg),
             stop_shards=False,

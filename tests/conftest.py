@@ -197,8 +197,10 @@ class ShardDaemons:
         count: int,
         expect_waves: int = 0,
         by_hand: bool = False,
+        standbys: bool = False,
     ):
         self.tmp = Path(tempfile.mkdtemp(prefix="shards-", dir=tmp))  # one per set of daemons
+        self.standbys = standbys  # each daemon hosts the previous shard's standby
         self.job_args = job_args
         self.count = count
         self.expect_waves = expect_waves
@@ -238,13 +240,28 @@ class ShardDaemons:
         return self._process(self._args(i, self.addresses[i]), log)
 
     def _args(self, i: int, bind: str) -> list[str]:
-        return [
+        args = [
             "ps",
             *self.job_args,
             *("--shards", str(self.count), "--shard-index", str(i), "--bind", bind),
             *("--expect-waves", str(self.expect_waves), "--ready-file", str(self._ready_file(i))),
             *("--run-dir", str(self.tmp)),
         ]
+        if self.standbys:  # daemon i hosts shard i - 1's standby; shard i's is on daemon i + 1
+            hosted = (i - 1) % self.count
+            args += ["--standby-bind", "tcp://127.0.0.1:0"]
+            args += ["--standby-ready-file", str(self.standby_file(hosted))]
+            args += ["--standby-takeover-file", str(self._ready_file(hosted))]
+            args += ["--standby-address-file", str(self.standby_file(i))]
+        return args
+
+    def standby_file(self, shard: int) -> Path:
+        """Where the daemon hosting shard ``shard``'s standby writes its address."""
+        return self.tmp / f"standby-{shard}.addr"
+
+    def current_addresses(self) -> list[str]:
+        """Where each shard is served now (a standby's address once it took one over)."""
+        return [self._ready_file(i).read_text().strip() for i in range(self.count)]
 
     def _ready_file(self, i: int) -> Path:
         return self.tmp / f"ps-{i}.addr"
@@ -271,9 +288,13 @@ def shard_daemons(tmp_path):
     running: list[ShardDaemons] = []
 
     def make(
-        job_args: list[str], count: int = 1, expect_waves: int = 0, by_hand: bool = False
+        job_args: list[str],
+        count: int = 1,
+        expect_waves: int = 0,
+        by_hand: bool = False,
+        standbys: bool = False,
     ) -> ShardDaemons:
-        d = ShardDaemons(tmp_path, job_args, count, expect_waves, by_hand).__enter__()
+        d = ShardDaemons(tmp_path, job_args, count, expect_waves, by_hand, standbys).__enter__()
         running.append(d)
         return d
 

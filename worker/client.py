@@ -75,6 +75,7 @@ class PSClient:
         error_feedback: bool = False,
         part_bytes: int = 0,
         lost_after_s: float = 10.0,
+        on_move: Callable[[int, str], None] | None = None,
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -93,6 +94,7 @@ class PSClient:
         self.data = WaveDataPath(tensors, self.chunks, error_feedback)
         context = context or zmq.Context.instance()
         self.links = ShardLinks(context, addresses, keys, timeout_s, lost_after_s)
+        self.on_move = on_move  # told where a shard went when its standby took it over
         self.last_versions = [0] * len(self.links)  # newest version seen from each shard
         self.lost_updates = 0
         # when the wave's training budget ends (monotonic; None: no budget): a wait for the
@@ -449,6 +451,8 @@ class PSClient:
         )
         self.links.move(i, standby)
         self.links[i].down_since = since  # the lost time counts from the first trouble
+        if self.on_move is not None:
+            self.on_move(i, standby)
         self.data.use_tcp(i)  # another host, maybe: attach decides again
         while True:
             try:
@@ -517,14 +521,19 @@ class PSClient:
                 )
             )
             kept = reply_body(Op.REGISTER, h)
-            if not (kept.initialized and kept.clock in (clock, clock - 1) and repush):
+            if not kept.initialized and repush is not None:
+                # it holds nothing: we seed it with the weights we read before our last push,
+                # at the clock before it, and give it that push again below
+                h = self._register_again(i, clock - 1)
+            elif not (kept.initialized and kept.clock in (clock, clock - 1) and repush):
                 h = self._register_again(i, clock)
         else:
             h = self._register_again(i, clock)
         registered = reply_body(Op.REGISTER, h)
         if not self.links[i].moved:
             self.links[i].standby = registered.standby
-        restored = registered.version
+        # a standby with nothing is seeded with our weights, at the version they carry
+        restored = registered.version if registered.initialized else self.last_versions[i]
         lost = max(0, self.last_versions[i] - restored)
         self.lost_updates += lost
         if lost:
@@ -536,7 +545,7 @@ class PSClient:
             self.data.flush()
             self._request_one(i, init, tensors)
         self._attach(i)  # a restarted shard made new segments (or none)
-        if repush is not None and registered.initialized and registered.clock == clock - 1:
+        if repush is not None and registered.clock == clock - 1:
             header, tensors = repush()  # our push for clock - 1, again, with the pull after it
             self.data.flush()
             return self._request_one_reply(i, header, tensors)

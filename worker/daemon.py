@@ -44,6 +44,7 @@ class WorkerDaemon:
         self.config = config
         self.stop_event = threading.Event()
         self.stop_requested = False  # by a signal or a caller, before the waves' end
+        self.shard_addresses = list(config.shard_addresses)
 
     def stop(self) -> None:
         self.stop_requested = True
@@ -81,6 +82,8 @@ class WorkerDaemon:
             baton = NoBaton()
         metrics, endpoint = serve_worker_metrics(cfg, cfg.rank)
         context = zmq.Context()
+        # where each shard is served: the waves update it when a standby takes one over
+        self.shard_addresses = list(cfg.shard_addresses)
         waves = [
             Wave(
                 WaveIdentity(
@@ -94,6 +97,7 @@ class WorkerDaemon:
                 evaluate=(cfg.rank == 0 and i == 0),
                 metrics=metrics,
                 compute=compute,
+                on_move=self._shard_moved,
             )
             for i in range(job.waves)
         ]
@@ -113,7 +117,7 @@ class WorkerDaemon:
         for r in runners:
             r.start()
         heartbeat = Heartbeat(
-            cfg.shard_addresses,
+            self.shard_addresses,
             f"w{cfg.rank}",
             lambda: [i for i, r in enumerate(runners) if r.is_alive()],
             job.heartbeat_s,
@@ -135,6 +139,11 @@ class WorkerDaemon:
             if endpoint:
                 endpoint.stop()
         return report_failures(waves)
+
+    def _shard_moved(self, shard: int, address: str) -> None:
+        if self.shard_addresses[shard] != address:
+            log.warning("shard %d is served at %s from now on", shard, address)
+            self.shard_addresses[shard] = address
 
     def _threads(self, dataset) -> ThreadChoice:
         cfg = self.config

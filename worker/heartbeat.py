@@ -21,7 +21,7 @@ from wavelet.worker.connection import connect_dealer
 class Heartbeat(threading.Thread):
     def __init__(
         self,
-        addresses: list[str],
+        addresses: list[str],  # where the shards are; a list the daemon updates as they move
         worker: str,
         live_waves: Callable[[], list[int]],
         every_s: float,
@@ -38,12 +38,15 @@ class Heartbeat(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        sockets = []
-        for a in self.addresses:
-            # a shard that is down gets a few heartbeats queued, not a backlog
-            sockets.append(connect_dealer(self.context, a, self.keys, {zmq.SNDHWM: 4}))
+        sockets, targets = [], list(self.addresses)
+        for a in targets:
+            sockets.append(self._connect(a))
         try:
             while not self.stopped.wait(self.every_s):
+                for i, a in enumerate(self.addresses):  # a standby took a shard over: follow it
+                    if a != targets[i]:
+                        sockets[i].close(linger=0)
+                        sockets[i], targets[i] = self._connect(a), a
                 header = Header(
                     op=Op.HEARTBEAT,
                     worker=self.worker,
@@ -59,6 +62,10 @@ class Heartbeat(threading.Thread):
         finally:
             for s in sockets:
                 s.close(linger=0)
+
+    def _connect(self, address: str) -> zmq.Socket:
+        # a shard that is down gets a few heartbeats queued, not a backlog
+        return connect_dealer(self.context, address, self.keys, {zmq.SNDHWM: 4})
 
     def stop(self) -> None:
         self.stopped.set()

@@ -68,6 +68,7 @@ class Wave:
         evaluate: bool = False,
         metrics=None,
         compute: InlineCompute | SharedCompute | None = None,
+        on_move=None,
     ):
         self.ident = ident
         self.config = config
@@ -80,6 +81,7 @@ class Wave:
         self.metrics = metrics  # WorkerMetrics (worker/metrics.py), when they are served
         # where forwards, backwards and tests run (worker/compute.py)
         self.compute = compute or InlineCompute()
+        self.on_move = on_move  # (shard, address): a standby took a shard over
         self.device = torch.device(config.device)
         self.step = load_step(self.job.step, self.job.precision)
         self.loss_scale = LossScale(enabled=self.job.precision == "fp16")
@@ -147,6 +149,7 @@ class Wave:
             job.wire_error_feedback,
             part_bytes=job.pull_part_kib * 1024 if job.pull_during_forward else 0,
             lost_after_s=job.shard_timeout_s,
+            on_move=self.on_move,
         )
         self.pusher = None
         # fp16's skip and clipping's norm need every gradient: those push after backward
