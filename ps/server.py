@@ -133,7 +133,7 @@ class ShardServer:
             _write_atomically(Path(cfg.ready_file), self.address)
         next_tick = time.monotonic() + TICK_S
         try:
-            while not self.service.stopping:
+            while not self.stopping:
                 wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
                 if poller.poll(wait_ms):
                     self._replicate()
@@ -141,7 +141,7 @@ class ShardServer:
                     for e in self.endpoints:
                         e.new_turn()
                     busy = True
-                    while busy and not self.service.stopping and time.monotonic() < next_tick:
+                    while busy and not self.stopping and time.monotonic() < next_tick:
                         busy = False
                         for e in self.endpoints:
                             busy = e.serve_one() or busy
@@ -157,7 +157,21 @@ class ShardServer:
             self.close()
 
     def stop(self) -> None:
-        self.service.stopping = True
+        for e in self.endpoints:
+            e.service.stopping = True
+
+    @property
+    def stopping(self) -> bool:
+        """Stopped (a signal, a caller), or shut down by the job on every shard it serves: its
+        own, and the one its standby took over (each is shut down at its own address)."""
+        serving = [self.primary]
+        if self.hosted is not None and self.hosted.service.standby.promoted:
+            serving.append(self.hosted)
+        return all(e.service.stopping for e in serving)
+
+    def set_standby_address(self, address: str) -> None:
+        """Where this shard's own standby listens, learned after start (torchrun's store)."""
+        self.config = dataclasses.replace(self.config, standby_address=address)
 
     def _stalled(self, late_s: float) -> float:
         """Seconds the timers ran late by that this loop did not run (the process stopped or

@@ -24,7 +24,7 @@ from wavelet.ps.replication import state_from_wire
 log = logging.getLogger(__name__)
 
 # what a standby answers before it takes over; anything else from a wave may promote it
-STANDBY_OPS = (Op.SEED, Op.REPLICATE, Op.STATS, Op.HEARTBEAT)
+STANDBY_OPS = (Op.SEED, Op.REPLICATE, Op.STATS, Op.HEARTBEAT, Op.CHECKPOINT, Op.SHUTDOWN)
 # after a take-over from a lost primary: how long the waves it knew count as live without
 # registering here (the survivors re-join within a second; the lost node's never do)
 REJOIN_GRACE_S = 2.0

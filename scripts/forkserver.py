@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import io
 import json
 import logging
@@ -51,6 +52,7 @@ PRELOAD = (
     "wavelet.worker.daemon",
     "wavelet.worker.allreduce",
 )
+ENTRY_MODULE = "wavelet.scripts.cli"  # whose main() runs a daemon's command line
 READY_TIMEOUT_S = 120.0  # the server's imports: about 5 s of CPU; slow machines, busy cores
 REAP_EVERY_S = 0.1  # how often the server looks for exited children between requests
 TEMP_LOG_PREFIX = "wavelet-forkserver-"  # the server's output, where no log path is given
@@ -492,10 +494,10 @@ def _become_daemon(request: dict) -> None:
     os.environ.update(request["env"])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from wavelet.scripts import cli
-
+    # the command line's module, by name: it imports this one, not the other way round
+    cli = importlib.import_module(ENTRY_MODULE)
     sys.argv = [cli.__file__, *request["args"]]
-    _retitle([sys.executable, "-m", "wavelet.scripts.cli", *request["args"]])
+    _retitle([sys.executable, "-m", ENTRY_MODULE, *request["args"]])
     sys.exit(cli.main(request["args"], entry_point=True))  # nothing above it but this server
 
 

@@ -38,6 +38,7 @@ from wavelet.scripts.tensorboard_log import RunBoard
 READY_TIMEOUT_S = 60.0
 
 
+RESTART_PATIENCE_S = 120.0  # --max-restarts: how long waves wait for a shard to be restarted
 FP16_ON_CPU = (
     "warning: --precision fp16 on a CPU device: CPU convolutions have no fp16 kernel and run "
     "over 100x slower than fp32 (benchmarks/bench_precision.py); use --precision bf16 on CPUs"
@@ -49,6 +50,13 @@ def launch(config: LaunchConfig, quiet: bool = False, fork_server: ForkServer | 
     ``fork_server``: one the caller keeps for several jobs (``start_fork_server``), so that its
     imports are paid once; else the job starts and stops its own."""
     config = dataclasses.replace(config, job=config.concrete_job())  # every process, one rule
+    if config.max_restarts and config.job.shard_replicas == 1:
+        # a killed shard comes back where it was: its waves wait for it as long as a restart
+        # may take on a busy machine, not only the lease of a shard that is gone for good
+        patience = max(config.job.shard_timeout_s, RESTART_PATIENCE_S)
+        config = dataclasses.replace(
+            config, job=dataclasses.replace(config.job, shard_timeout_s=patience)
+        )
     job_cfg = _job_per_process(config)
     tasks = len(config.devices) * config.processes_per_device * job_cfg.waves
     owned = fork_server is None or config.spawn != "fork"
@@ -96,6 +104,8 @@ def launch(config: LaunchConfig, quiet: bool = False, fork_server: ForkServer | 
         board = RunBoard(run_dir / "tensorboard")
         progress = Progress(run_dir, job_cfg.epochs, since=since, board=board)
         _supervise_until_done(job, workers, progress, started, quiet)
+        if config.mode == "ps":  # where each shard is now: a standby may have taken one over
+            addresses = [ready.read_text().strip() for _, ready in shards]
         summary = _finish(job, job_cfg, addresses, progress)
         _say(quiet, "\n" + format_summary(summary))
         return 0
@@ -205,9 +215,12 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[tuple[Chil
     """Spawn the shards; each writes its address to the file beside it once bound."""
     cfg = job.config
     shards = []
+    # shard_replicas = 2: each shard daemon also hosts the previous shard's standby
+    standbys = cfg.job.shard_replicas == 2 and cfg.job.shards >= 2
     for i in range(cfg.job.shards):
         ready = job.run_dir / f"ps-{i}.addr"
         ready.unlink(missing_ok=True)
+        (job.run_dir / f"standby-{i}.addr").unlink(missing_ok=True)
         ps = PSConfig(
             job=cfg.job,
             shard_index=i,
@@ -220,6 +233,15 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[tuple[Chil
             insecure=cfg.insecure,
             metrics_port=_metrics_port(cfg, i),
         )
+        if standbys:
+            hosted = (i - 1) % cfg.job.shards
+            ps = dataclasses.replace(
+                ps,
+                standby_bind=f"tcp://{cfg.host}:0",
+                standby_ready_file=str(job.run_dir / f"standby-{hosted}.addr"),
+                standby_takeover_file=str(job.run_dir / f"ps-{hosted}.addr"),
+                standby_address_file=str(job.run_dir / f"standby-{i}.addr"),
+            )
         if job.keys:
             ps = dataclasses.replace(
                 ps,
@@ -229,7 +251,10 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[tuple[Chil
                 curve_admin_key=str(job.keys.client_public("launcher")),
             )
         args = ["ps", "--config", str(job_file), *command_line(ps)]
-        shards.append((job.spawn(f"ps-{i}", args), ready))
+        child = job.spawn(f"ps-{i}", args)
+        if standbys:
+            job.expendable.add(child.name)  # its standby takes over: no restart, no failure
+        shards.append((child, ready))
     return shards
 
 

@@ -16,7 +16,6 @@ and workers go on from their clocks.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -31,6 +30,12 @@ from wavelet.common.config import JobConfig, concrete_updates
 from wavelet.common.daemon_config import PSConfig, RunConfig, WorkerConfig
 from wavelet.common.machine import interface_of, usable_cores
 from wavelet.common.settings import ConfigError
+from wavelet.scripts.run_end import (
+    job_throughput,
+    member_ranks,
+    publish_throughput,
+    wait_for_workers,
+)
 from wavelet.scripts.signals import INTERRUPTED
 
 log = logging.getLogger(__name__)
@@ -179,21 +184,6 @@ def open_store(role: Role):
     )
 
 
-def _wait_for_stragglers(
-    store, keys: list[str], note_every_s: float = 300.0, say=lambda text: print(text, flush=True)
-) -> None:
-    """Wait for every worker's done key, however late: a straggler is slow, not failed (a dead
-    one makes torchrun stop the whole group). Says every few minutes whom it still waits for,
-    instead of timing out with a traceback."""
-    last_note = time.monotonic()
-    while not store.check(keys):
-        if time.monotonic() - last_note >= note_every_s:
-            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
-            say(f"wavelet run: still waiting for worker(s) {', '.join(missing)}")
-            last_note = time.monotonic()
-        time.sleep(0.5)
-
-
 def _key(role: Role, name: str) -> str:
     return f"wavelet/{role.restart}/{name}"  # a restarted group starts a fresh set of keys
 
@@ -224,6 +214,9 @@ def _shard(config: RunConfig, role: Role, layout: Layout, index: int, store) -> 
     token = _admin_token(role, store)
     token_file = write_private(Path(config.run_dir) / f"admin-{index}.token", token)
     keys = _job_keys(config)
+    # Every shard's standby is hosted by the next shard's process (on the next node where the
+    # job spans nodes): it takes the shard over when that node is lost (docs/faults.md).
+    standbys = layout.shards >= 2
     shard_config = PSConfig(
         job=config.job,
         shard_index=index,
@@ -237,12 +230,21 @@ def _shard(config: RunConfig, role: Role, layout: Layout, index: int, store) -> 
         curve_secret=str(keys.server_secret) if keys else "",
         curve_authorized=str(keys.authorized) if keys else "",
         curve_admin_key=_admin_public_key(keys),
+        standby_bind=f"tcp://{host}:0" if standbys else "",
     )
     torch.set_num_threads(1)
     try:
         server = ShardServer(shard_config)
     except BindError as e:
         raise ConfigError(str(e)) from None
+    if standbys:
+        hosted = shard_config.stands_by_for
+        store.set(_key(role, f"standby/{hosted}"), server.hosted.address)
+        own = _key(role, f"standby/{index}")
+        store.wait([own])
+        server.set_standby_address(store.get(own).decode())
+        # a standby that takes its shard over is where that shard is looked up from then on
+        server.on_takeover = lambda shard, address: store.set(_key(role, f"shard/{shard}"), address)
     store.set(_key(role, f"shard/{index}"), server.address)
     log.info("shard %d of %d serving on %s", index, layout.shards, server.address)
     from wavelet.scripts.signals import on_signals, stop_with_parent
@@ -346,25 +348,32 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
         return INTERRUPTED
     publish_throughput(store, _key(role, "throughput/0"), Path(run_dir), 0)
     store.set(_key(role, "done/0"), str(code))
-    done = [_key(role, f"done/{r}") for r in range(layout.workers)]
-    _wait_for_stragglers(store, done)
-    if any(int(store.get(k)) != 0 for k in done):
-        print("wavelet run: a worker failed; see its log", file=sys.stderr)
-        return 1
     # with CURVE, the admin key (not the token in the store) lets worker 0 stop the shards
     client_keys = None
     if keys:
         client_keys = keys.client(CURVE_ADMIN if _admin_public_key(keys) else CURVE_CLIENT)
+
+    def shard_addresses() -> list[str]:  # where each shard is now (a standby took one over?)
+        return [store.get(_key(role, f"shard/{i}")).decode() for i in range(layout.shards)]
+
+    done = {r: _key(role, f"done/{r}") for r in range(layout.workers)}
+    gone = wait_for_workers(
+        store, done, members=lambda: member_ranks(shard_addresses(), client_keys)
+    )
+    finished = [r for r in done if r not in gone]
+    if any(int(store.get(done[r])) != 0 for r in finished):
+        print("wavelet run: a worker failed; see its log", file=sys.stderr)
+        return 1
     summary = summarize(
         Path(run_dir),
         "ps (torchrun)",
         job,
-        addresses,
+        shard_addresses(),
         progress,
         client_keys,
         _admin_token(role, store),
         job_wide=job_throughput(
-            store, [_key(role, f"throughput/{r}") for r in range(layout.workers)]
+            store, [_key(role, f"throughput/{r}") for r in finished], lost=len(gone)
         ),
     )
     print("\n" + format_summary(summary), flush=True)
@@ -400,7 +409,7 @@ def _allreduce_rank(config: RunConfig, role: Role) -> NoReturn:
     if role.rank == 0 and code == 0:
         from wavelet.scripts.report import Progress, format_summary, summarize
 
-        _wait_for_stragglers(store, [_key(role, f"done/{r}") for r in range(role.world)])
+        wait_for_workers(store, {r: _key(role, f"done/{r}") for r in range(role.world)})
         progress = Progress(Path(run_dir), job.epochs, since=started)
         throughput = job_throughput(
             store, [_key(role, f"throughput/{r}") for r in range(role.world)]
@@ -410,33 +419,3 @@ def _allreduce_rank(config: RunConfig, role: Role) -> NoReturn:
         )
         print("\n" + format_summary(summary), flush=True)
     exit_rank(code)
-
-
-def publish_throughput(store, key: str, run_dir: Path, rank: int) -> None:
-    """This worker's samples and seconds of training, from its own records, for worker 0's
-    summary: each node keeps its records in its own run dir, so only the store sees the job."""
-    from wavelet.common.records import read_records
-
-    samples, first, last = 0, None, None
-    for path in (run_dir / "records").glob(f"worker-{rank}-wave-*.jsonl"):
-        for r in read_records(path):
-            if r["kind"] == "start":
-                first = r["t"] if first is None else min(first, r["t"])
-            elif r["kind"] == "step":
-                samples += r["samples"]
-                last = r["t"] if last is None else max(last, r["t"])
-    seconds = (last - first) if first is not None and last is not None else 0.0
-    store.set(key, json.dumps({"samples": samples, "seconds": seconds}))
-
-
-def job_throughput(store, keys: list[str]) -> dict:
-    """Samples and samples/s of the whole job: each worker's rate over its own span, summed (no
-    node's clock is compared with another's)."""
-    store.wait(keys)
-    parts = [json.loads(store.get(k)) for k in keys]
-    return {
-        "samples": sum(p["samples"] for p in parts),
-        "samples_per_s": sum(p["samples"] / p["seconds"] for p in parts if p["seconds"] > 0),
-        "train_seconds": max((p["seconds"] for p in parts), default=0.0),
-        "workers": len(parts),
-    }

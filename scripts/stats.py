@@ -17,6 +17,14 @@ def fetch_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> list
     return [call_shard(a, Op.STATS, timeout_s, keys=keys).body for a in addresses]
 
 
+def fetch_one(address: str, timeout_s: float = 2.0, keys=None) -> dict | None:
+    """One shard's statistics, or None if it does not answer (gone, or not yet up)."""
+    try:
+        return call_shard(address, Op.STATS, timeout_s, keys=keys).body
+    except ShardError:
+        return None
+
+
 def merge_wave_stats(shards: list[dict]) -> dict[str, dict]:
     """Per wave, over all shards: pushes and parking summed, staleness histograms added up."""
     waves: dict[str, dict] = {}

@@ -95,6 +95,9 @@ class Job:
     admin_token: str = ""
     children: list[Child] = field(default_factory=list)
     restarts: int = 0
+    # children that may die without a restart or a failure: shards whose standby takes over
+    expendable: set[str] = field(default_factory=set)
+    _noted: set[str] = field(default_factory=set, repr=False)
     _server: ForkServer | None = field(default=None, repr=False)
     _owns_server: bool = True  # else the caller's, for several jobs: left running at teardown
     _no_fork_server: bool = False
@@ -151,6 +154,11 @@ class Job:
             code = c.proc.poll()
             if code is None or (code == 0 and c in allow_exit):
                 continue
+            if c.name in self.expendable and code != USAGE_ERROR:
+                if c.name not in self._noted:  # a shard whose standby takes over
+                    self._noted.add(c.name)
+                    say(f"{c.name} exited with status {code}: its standby takes it over")
+                continue
             if self.restarts >= self.config.max_restarts or code == USAGE_ERROR:
                 self.check(allow_exit)
             self.restart(c, code, say)
@@ -180,6 +188,8 @@ class Job:
             code = c.proc.poll()
             if code == USAGE_ERROR:  # a setting it refused: its one line says which
                 raise ChildDidNotStart(c, code)
+            if c.name in self.expendable:
+                continue
             if code is not None and (code != 0 or c not in allow_exit):
                 raise ChildFailed(c, code, self.resume_hint() if c.name.startswith("ps-") else "")
 

@@ -12,8 +12,9 @@ from wavelet.common.config import JobConfig
 from wavelet.common.datasets import build_dataset
 from wavelet.common.models import build_model
 from wavelet.common.settings import INF, ConfigError, from_dict
-from wavelet.scripts.cli import build_parser, job_from_args
+from wavelet.scripts.cli import build_parser
 from wavelet.scripts.cli import main as cli_main
+from wavelet.scripts.flags import job_from_args
 
 
 def _job(*argv):
@@ -209,7 +210,7 @@ def test_a_daemons_command_line_carries_every_setting_it_was_given():
 
     from wavelet.common.daemon_config import PSConfig, WorkerConfig
     from wavelet.common.settings import command_line
-    from wavelet.scripts.cli import config_from_args
+    from wavelet.scripts.flags import config_from_args
 
     job = JobConfig(shards=2)
     ps = PSConfig(

@@ -243,7 +243,7 @@ def test_wavelet_run_waits_for_a_straggler_past_the_store_timeout():
 
     import torch.distributed as dist
 
-    from wavelet.scripts.run import _wait_for_stragglers
+    from wavelet.scripts.run_end import wait_for_workers
 
     store = dist.TCPStore(
         "127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=1), wait_for_workers=False
@@ -262,7 +262,7 @@ def test_wavelet_run_waits_for_a_straggler_past_the_store_timeout():
 
     straggler = threading.Thread(target=late_worker, daemon=True)
     straggler.start()
-    _wait_for_stragglers(store, ["done/0", "done/1"], note_every_s=1.5, say=say)
+    wait_for_workers(store, {0: "done/0", 1: "done/1"}, note_every_s=1.5, say=say)
     straggler.join(10)
     assert notes and notes[0] == "wavelet run: still waiting for worker(s) 1"
 

@@ -154,3 +154,31 @@ def _steps(path):
     if not path.exists():
         return 0
     return sum(1 for r in read_records(path) if r["kind"] == "step")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_launch_with_two_replicas_goes_on_through_a_killed_shard(tmp_path):
+    """``wavelet launch --shard-replicas 2``: shard 0's process killed with SIGKILL mid-run; its
+    standby (in shard 1's process) takes it over, the job finishes with its summary, no update
+    lost, and nothing is restarted."""
+    import json
+    import os
+
+    from test_launch import _assert_nothing_left, _one_process, _shard_marker
+
+    run_dir = tmp_path / "run"
+    records = run_dir / "records" / "worker-0-wave-0.jsonl"
+    args = ["launch", "--run-dir", str(run_dir), "--epochs", "8", "--shard-replicas", "2"]
+    with forked(args, tmp_path / "launch.log") as proc:
+        wait_for(lambda: _steps(records) >= 40, 90, "training did not start")
+        os.kill(_one_process(run_dir, _shard_marker(run_dir, 0)), signal.SIGKILL)
+        code = proc.wait(200)
+    log = (tmp_path / "launch.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "ps-0 exited with status -9: its standby takes it over" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lost_updates"] == 0
+    assert summary["test_accuracy"] >= 0.9, summary
+    assert "standby of shard 0 takes the shard over" in (run_dir / "logs" / "ps-1.log").read_text()
+    _assert_nothing_left(run_dir)

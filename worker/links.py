@@ -107,8 +107,9 @@ class ShardLinks:
             if link.down_since is None:
                 link.down_since = now
         elif event == zmq.EVENT_CONNECT_RETRIED:
-            # nobody listens there: down since the first attempt, if it never answered
-            if link.down_since is None:
+            # nobody listens there any more; one that never answered is a wrong address or a
+            # shard still starting: the request timeout speaks for those
+            if link.connected and link.down_since is None:
                 link.down_since = now
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             if link.connected and link.down_since is not None:

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from wavelet.common.messages import WeightsReply, reply_body
 from wavelet.common.protocol import Header, Op, ShardError
-
-if TYPE_CHECKING:
-    from wavelet.worker.client import PSClient
 
 
 class StopRequested(Exception):
@@ -62,7 +58,7 @@ class PullParts:
     """A pull's weights, loaded into the wave's tensors as each shard's reply, or each part of
     it, arrives; ``loaded`` holds the chunk keys in so far (worker/pull_hooks.py waits on it)."""
 
-    def __init__(self, client: PSClient):
+    def __init__(self, client):
         self.client = client
         shards = len(client.links)
         self.bodies: list[WeightsReply | None] = [None] * shards
@@ -126,7 +122,7 @@ class PendingPull:
     worker/pull_hooks.py) and ``result`` for the rest. Its sockets are used by whichever thread
     calls, one at a time: the wave's, or the computing thread while the wave's waits on it."""
 
-    def __init__(self, client: PSClient, exchange: Exchange, recover):
+    def __init__(self, client, exchange: Exchange, recover):
         self.client, self.exchange, self.recover = client, exchange, recover
         self.waited_s = 0.0  # spent waiting for weights, in wait_for and result
 
@@ -158,7 +154,7 @@ class PushRound:
     on), ``finish()`` for the rest and every reply. Each shard still gets one whole push: a
     version means one push, as before."""
 
-    def __init__(self, client: PSClient, clock: int, read_versions: list[int], lr_scale: float):
+    def __init__(self, client, clock: int, read_versions: list[int], lr_scale: float):
         self.client, self.clock = client, clock
         self.read_versions, self.lr_scale = read_versions, lr_scale
         self.exchange = client._open_exchange(pull=True)
