@@ -121,6 +121,13 @@ class PSConfig:
         "", help="instead of --standby-address: a file the standby's host writes it to"
     )
     standby_role: bool = setting(False, help="this config is a hosted standby's", flag="")
+    job_address_files: list[str] = setting(
+        default_factory=list,
+        help="every shard's address file, once per shard, in shard order (the launcher's): "
+        "what a worker that joins the running job (wavelet worker --join) is told",
+        flag="--job-address-file",
+        repeated=True,
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -228,6 +235,14 @@ class WorkerConfig:
     metrics_host: str = setting("127.0.0.1", help="address the metrics port binds")
     curve_secret: str = setting("", help="CURVE: this worker's .key_secret file")
     curve_server_key: str = setting("", help="CURVE: the shards' public .key file")
+    join: str = setting(
+        "",
+        help="join a running job through any of its shards (tcp://HOST:PORT): it tells the "
+        "job, where every shard is and a worker slot; needs --join-token-file",
+    )
+    join_token_file: str = setting(
+        "", help="--join: the job's admin token file (RUN_DIR/admin.token of its launcher)"
+    )
     report: bool = setting(
         True,
         help="ps mode: print the progress of this worker's waves and, at the end, the test "
@@ -240,7 +255,14 @@ class WorkerConfig:
         given = len(self.shard_addresses) or len(self.shard_address_files)
         if self.shard_addresses and self.shard_address_files:
             raise ConfigError("pass --shard addresses or --shard-address-file files, not both")
-        if self.mode == "ps" and given != self.job.shards:
+        if self.join:
+            check_address("--join", self.join)
+            if not self.join_token_file:
+                raise ConfigError(
+                    "--join needs --join-token-file: the job's admin token (RUN_DIR/admin.token "
+                    "where its launcher runs)"
+                )
+        elif self.mode == "ps" and given != self.job.shards:
             raise ConfigError(
                 f"got {given} shard addresses for a job of {self.job.shards} shards; pass one "
                 "--shard address per shard, in shard order"

@@ -161,6 +161,21 @@ class ReplicaUpdate(Body):
     clocks: list[list]
 
 
+@dataclass(frozen=True)
+class DescribeRequest(Body):
+    token: str = ""  # the job's admin token: joining a job is for those who run it
+
+
+@dataclass(frozen=True)
+class JobDescription(Body):
+    """What a worker joining a running job needs (``wavelet worker --join``)."""
+
+    job: dict[str, Any]  # the JobConfig, as a dict
+    shards: list[str]  # every shard's address now, in shard order
+    rank: int  # a worker slot: one whose waves left the job, else a new one
+    num_workers: int  # the slot's data part is rank of num_workers
+
+
 REQUEST_BODIES: dict[str, type[Body]] = {
     Op.REGISTER: RegisterRequest,
     Op.INIT: InitRequest,
@@ -175,6 +190,7 @@ REQUEST_BODIES: dict[str, type[Body]] = {
     Op.SHUTDOWN: AdminRequest,
     Op.SEED: Seed,
     Op.REPLICATE: ReplicaUpdate,
+    Op.DESCRIBE: DescribeRequest,
 }
 
 
@@ -276,6 +292,7 @@ REPLY_BODIES: dict[str, type[Body]] = {
     Op.SHUTDOWN: Ack,
     Op.SEED: Ack,
     Op.REPLICATE: Ack,
+    Op.DESCRIBE: JobDescription,
 }
 
 

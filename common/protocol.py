@@ -42,6 +42,7 @@ class Op(enum.StrEnum):
     SHUTDOWN = "shutdown"  # stop the shard daemon
     SEED = "seed"  # a primary's whole state, to its standby (ps/replication.py)
     REPLICATE = "replicate"  # one update a primary applied, to its standby
+    DESCRIBE = "describe"  # a joining worker asks for the job, the shards and a worker slot
     REPLY = "reply"
     ERROR = "error"
 

@@ -14,6 +14,8 @@ from wavelet.common.protocol import ErrorCode, Header, ProtocolError, wave_name
 from wavelet.ps.owners import Peer, WaveOwners
 from wavelet.ps.staleness import ClockTable, WaveId, WaveStats
 
+SLOT_HOLD_S = 30.0  # a worker slot given to a joiner is not given again for this long
+
 
 class Membership:
     def __init__(self, max_waves: int):
@@ -21,6 +23,7 @@ class Membership:
         self.clocks = ClockTable()
         self.owners = WaveOwners()
         self.stats: dict[WaveId, WaveStats] = {}
+        self._slots_given: dict[int, float] = {}  # worker ranks told to joiners, and when
 
     def restore(self, wave: WaveId, clock: int) -> None:
         """A wave a checkpoint knew: its clock is kept, but it registers again before use."""
@@ -75,6 +78,24 @@ class Membership:
             self.clocks.seen(wave)  # any request is a sign of life
         return wave
 
+    def free_slot(self, expected_workers: int) -> tuple[int, int]:
+        """A worker rank for a joiner, and the worker count its data part is taken of: the
+        lowest rank whose waves all left (its part of the data goes on being read), else a new
+        rank past every one known (a part of its own of one more worker: it overlaps others').
+        A rank handed out is kept for ``SLOT_HOLD_S`` for its worker to register."""
+        now = time.monotonic()
+        self._slots_given = {r: t for r, t in self._slots_given.items() if now - t < SLOT_HOLD_S}
+        live = {_rank(w) for w in self.clocks.live} - {None}
+        known = {_rank(w) for w in self.clocks.clocks} - {None}
+        taken = live | set(self._slots_given)
+        for rank in range(expected_workers):
+            if rank not in taken:
+                break
+        else:
+            rank = max(known | taken | {expected_workers - 1}) + 1
+        self._slots_given[rank] = now
+        return rank, max(expected_workers, rank + 1)
+
     def heartbeat(self, worker: str, waves: list[int]) -> None:
         for index in waves:
             wave = (worker, index)
@@ -120,6 +141,12 @@ class Membership:
             f"this shard serves at most {self.max_waves} waves (max_waves) and that many are "
             "registered",
         )
+
+
+def _rank(wave: WaveId) -> int | None:
+    """The worker rank of a wave named as workers name theirs (``w<rank>``), else None."""
+    worker = wave[0]
+    return int(worker[1:]) if worker[:1] == "w" and worker[1:].isdigit() else None
 
 
 def wave_of(h: Header) -> WaveId:

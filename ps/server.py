@@ -84,6 +84,8 @@ class ShardServer:
             raise
         self.service = self.primary.service
         self.address = self.primary.address
+        if config.job_address_files:
+            self.set_directory(lambda: [_read(f) for f in config.job_address_files])
 
     def _endpoint(self, config: PSConfig, token: str, admin_key: str) -> Endpoint:
         endpoint = Endpoint(
@@ -168,6 +170,11 @@ class ShardServer:
         if self.hosted is not None and self.hosted.service.standby.promoted:
             serving.append(self.hosted)
         return all(e.service.stopping for e in serving)
+
+    def set_directory(self, directory) -> None:
+        """Where every shard of the job is (a callable): joining workers are told."""
+        for e in self.endpoints:
+            e.service.directory = directory
 
     def set_standby_address(self, address: str) -> None:
         """Where this shard's own standby listens, learned after start (torchrun's store)."""
@@ -321,6 +328,10 @@ class ShardServer:
             e.close()
         if self.security:
             self.security.stop()
+
+
+def _read(path: str) -> str:
+    return Path(path).read_text().strip()
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -9,6 +9,7 @@ to one handler; so most behaviour is testable in-process, without a socket.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -25,9 +26,11 @@ from wavelet.common.messages import (
     AdminRequest,
     AttachRequest,
     CheckpointReply,
+    DescribeRequest,
     HeartbeatRequest,
     InitReply,
     InitRequest,
+    JobDescription,
     PullRequest,
     PushReply,
     PushRequest,
@@ -101,6 +104,8 @@ class ShardService:
         self.standby_address = ""  # where this shard's own standby listens (told to waves)
         self.moved_to = ""  # the standby this shard handed itself over to (it is stopping)
         self.shut_down_by_admin = False  # the job's end: nothing to hand over
+        # every shard's address, in order, where the daemon knows them (for --join)
+        self.directory: Callable[[], list[str]] | None = None
         self.barrier_passed = False  # every expected wave registered once (or a take-over)
         if config.standby_role:
             self.checkpoints.enabled = False  # the primary's own until this takes it over
@@ -336,6 +341,21 @@ class ShardService:
             waves=self.members.table(),
         )
         return self._reply(peer, h, reply)
+
+    def rpc_describe(self, peer, h: Header, body: DescribeRequest, tensors) -> Outgoing:
+        """A worker that joins the running job: the job, where every shard is, and a slot."""
+        self.admin.check(h.op, peer, body.token)
+        if self.directory is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_OP,
+                "this shard does not know where the job's other shards are (started by hand?): "
+                "give the worker every shard's address with --shard instead of --join",
+            )
+        waves = self.config.job.waves
+        rank, workers = self.members.free_slot(max(1, self.config.expect_waves // waves))
+        job = dataclasses.asdict(self.config.job)
+        log.info("a worker joins as worker %d", rank)
+        return self._reply(peer, h, JobDescription(job, self.directory(), rank, workers))
 
     def rpc_checkpoint(self, peer, h: Header, body: AdminRequest, tensors) -> Outgoing:
         self.admin.check(h.op, peer, body.token)

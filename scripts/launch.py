@@ -232,6 +232,7 @@ def _start_shards(job: Job, job_file: Path, total_waves: int) -> list[tuple[Chil
             checkpoint_every_s=cfg.checkpoint_every_s,
             insecure=cfg.insecure,
             metrics_port=_metrics_port(cfg, i),
+            job_address_files=[str(job.run_dir / f"ps-{k}.addr") for k in range(cfg.job.shards)],
         )
         if standbys:
             hosted = (i - 1) % cfg.job.shards

@@ -246,6 +246,10 @@ def _shard(config: RunConfig, role: Role, layout: Layout, index: int, store) -> 
         # a standby that takes its shard over is where that shard is looked up from then on
         server.on_takeover = lambda shard, address: store.set(_key(role, f"shard/{shard}"), address)
     store.set(_key(role, f"shard/{index}"), server.address)
+    # where every shard is now, for a worker that joins the job (wavelet worker --join)
+    server.set_directory(
+        lambda: [store.get(_key(role, f"shard/{i}")).decode() for i in range(layout.shards)]
+    )
     log.info("shard %d of %d serving on %s", index, layout.shards, server.address)
     from wavelet.scripts.signals import on_signals, stop_with_parent
 

@@ -247,6 +247,8 @@ class ShardDaemons:
             *("--expect-waves", str(self.expect_waves), "--ready-file", str(self._ready_file(i))),
             *("--run-dir", str(self.tmp)),
         ]
+        for k in range(self.count):  # where every shard is, for a worker that joins
+            args += ["--job-address-file", str(self._ready_file(k))]
         if self.standbys:  # daemon i hosts shard i - 1's standby; shard i's is on daemon i + 1
             hosted = (i - 1) % self.count
             args += ["--standby-bind", "tcp://127.0.0.1:0"]
