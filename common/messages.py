@@ -276,6 +276,7 @@ class StatsReply(Body):
     rejected: int
     checkpoint_failures: int
     waves: dict[str, Any]
+    members: dict[str, int] = field(default_factory=dict)  # epoch, live, joins, leaves
 
 
 REPLY_BODIES: dict[str, type[Body]] = {

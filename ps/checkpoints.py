@@ -55,12 +55,20 @@ class Checkpointer:
         self.enabled = True  # a standby writes nothing until it takes its shard over
         self._last = (0, time.monotonic())  # version and time of the last attempt
         self.push_log: RecordWriter | None = None
+        self.member_log: RecordWriter | None = None
         if config.run_dir:
             # a standby that takes its shard over records beside the primary's records, in its
             # own file (a run dir a launcher shares, a cluster benchmark merges)
             role = "-takeover" if config.standby_role else ""
-            self.push_log = RecordWriter(
-                Path(config.run_dir) / "records" / f"ps-{config.shard_index}{role}-pushes.jsonl"
+            records = Path(config.run_dir) / "records"
+            self.push_log = RecordWriter(records / f"ps-{config.shard_index}{role}-pushes.jsonl")
+            self.member_log = RecordWriter(records / f"ps-{config.shard_index}{role}-members.jsonl")
+
+    def log_membership(self, kind: str, wave: tuple[str, int], why: str) -> None:
+        """A wave joined or left (the records' timeline marks them)."""
+        if self.member_log and self.enabled:
+            self.member_log.write(
+                {"t": time.time(), "event": kind, "wave": f"{wave[0]}/{wave[1]}", "why": why}
             )
 
     def log_push(self, **record) -> None:
@@ -141,5 +149,6 @@ class Checkpointer:
         except Exception as e:
             log.error("final checkpoint failed: %s: %s", type(e).__name__, e)
         finally:
-            if self.push_log:
-                self.push_log.close()
+            for log_file in (self.push_log, self.member_log):
+                if log_file:
+                    log_file.close()

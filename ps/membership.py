@@ -24,6 +24,11 @@ class Membership:
         self.owners = WaveOwners()
         self.stats: dict[WaveId, WaveStats] = {}
         self._slots_given: dict[int, float] = {}  # worker ranks told to joiners, and when
+        # the membership epoch: bumped at every join and every leave (docs/faults.md)
+        self.epoch = 0
+        self.joins = 0
+        self.leaves = 0
+        self.on_change = None  # called with (kind, wave, why) after each change: the records
 
     def restore(self, wave: WaveId, clock: int) -> None:
         """A wave a checkpoint knew: its clock is kept, but it registers again before use."""
@@ -61,8 +66,11 @@ class Membership:
                 c for w, c in self.clocks.clocks.items() if w in self.clocks.live and w != wave
             ]
             clock = max(h.clock, min(others, default=0), 0)
+        was_live = wave in self.clocks.live
         self.clocks.join(wave, clock)
         self.stats.setdefault(wave, WaveStats())
+        if not was_live:
+            self._changed("join", wave, f"at clock {clock}")
         return wave, clock
 
     def registered(self, h: Header, peer: Peer) -> WaveId:
@@ -103,9 +111,30 @@ class Membership:
             if wave in self.clocks.live and self.owners.bound(wave):
                 self.clocks.seen(wave)
 
-    def leave(self, wave: WaveId) -> None:
+    def leave(self, wave: WaveId, why: str = "") -> None:
+        was_live = wave in self.clocks.live
         self.clocks.leave(wave)
         self.owners.release(wave)
+        if was_live:
+            self._changed("leave", wave, why)
+
+    def _changed(self, kind: str, wave: WaveId, why: str) -> None:
+        self.epoch += 1
+        if kind == "join":
+            self.joins += 1
+        else:
+            self.leaves += 1
+        if self.on_change is not None:
+            self.on_change(kind, wave, why)
+
+    def summary(self) -> dict[str, int]:
+        """The membership in numbers, for stats, the summary and the metrics."""
+        return {
+            "epoch": self.epoch,
+            "live": len(self.clocks.live),
+            "joins": self.joins,
+            "leaves": self.leaves,
+        }
 
     def count_rejection(self, header: Header | None, code: str) -> None:
         if header is not None and header.worker and header.wave >= 0:

@@ -57,6 +57,18 @@ class ShardCollector:
             "wavelet_shard_updates", "updates applied by this process", svc.updates_applied
         )
         yield gauge("wavelet_shard_live_waves", "waves in the membership", len(svc.clocks.live))
+        members = svc.members.summary()
+        yield gauge(
+            "wavelet_shard_membership_epoch",
+            "changes of the membership so far (each join and each leave bumps it)",
+            members["epoch"],
+        )
+        yield counter("wavelet_shard_joins", "waves that joined (or re-joined)", members["joins"])
+        yield counter(
+            "wavelet_shard_leaves",
+            "waves that left: goodbye, closed connection, or silent past the lease",
+            members["leaves"],
+        )
         yield gauge("wavelet_shard_parked_pulls", "pulls the bound holds now", len(svc.parked))
         yield counter(
             "wavelet_shard_checkpoint_failures",

@@ -100,6 +100,7 @@ class ShardService:
         }
         self.datapath = ShardDataPath(config, os.getpid())
         self.checkpoints = Checkpointer(config, self.shard, self.clocks)
+        self.members.on_change = self.checkpoints.log_membership
         self.standby: StandbyRole | None = None  # set where this service is a shard's standby
         self.standby_address = ""  # where this shard's own standby listens (told to waves)
         self.moved_to = ""  # the standby this shard handed itself over to (it is stopping)
@@ -339,6 +340,7 @@ class ShardService:
             rejected=self.rejected,
             checkpoint_failures=self.checkpoints.failures,
             waves=self.members.table(),
+            members=self.members.summary(),
         )
         return self._reply(peer, h, reply)
 
@@ -501,7 +503,7 @@ class ShardService:
     def _leave(self, wave: WaveId, why: str) -> list[Outgoing]:
         """``wave`` leaves the membership: free what the shard kept for it (segments, DC-ASGD
         copy, buffer values) and answer its parked pulls; returns those answers."""
-        self.members.leave(wave)
+        self.members.leave(wave, why)
         self.updates.forget(wave)
         self.shard.forget_wave(wave)
         self.datapath.detach(wave)

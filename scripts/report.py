@@ -41,9 +41,12 @@ def summarize(
     updates, staleness per wave). ``job_wide``: samples and samples/s of every node's workers
     (under torchrun; the records here are this node's only)."""
     progress.read()
+    membership = {}
     if addresses:
         metrics = evaluate_shards(addresses, job_cfg, keys=keys, save_to=run_dir)
-        stats = merge_wave_stats(fetch_stats(addresses, keys=keys))
+        shard_stats = fetch_stats(addresses, keys=keys)
+        stats = merge_wave_stats(shard_stats)
+        membership = merge_membership(shard_stats)
         for a in addresses if stop_shards else ():
             call_shard(a, Op.SHUTDOWN, keys=keys, body=AdminRequest(token=admin_token).to_wire())
         staleness = push_staleness(run_dir)  # the shards' records, where they share the run dir
@@ -72,6 +75,7 @@ def summarize(
         "skipped_steps": dict(progress.skipped),
         "wire_overflows": sum(progress.wire_overflows.values()),
         "waves": stats,
+        "membership": membership,  # epoch, joins and leaves the shards saw
         "throughput_of": throughput_of,
         # the trained model's state_dict: the shards' weights pulled above, or all-reduce's
         # rank 0's (wavelet.load_model builds the model with it)
@@ -84,6 +88,8 @@ def summarize(
             train_seconds=job_wide["train_seconds"],
             throughput_of=f"the job's {job_wide['workers']} workers on every node",
         )
+        if job_wide.get("workers_lost"):
+            summary["workers_lost"] = job_wide["workers_lost"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -123,6 +129,16 @@ def train_and_report(daemon) -> int:
     return 0
 
 
+def merge_membership(shards: list[dict]) -> dict[str, int]:
+    """The membership the shards saw: each sees every wave, so the largest counts are the job's
+    (a standby that took a shard over saw only what came after)."""
+    out: dict[str, int] = {}
+    for shard in shards:
+        for key, value in (shard.get("members") or {}).items():
+            out[key] = max(out.get(key, 0), value)
+    return out
+
+
 def format_summary(s: dict) -> str:
     metric = s.get("target_metric", "accuracy")
     score = s.get("score", s["test_accuracy"])
@@ -137,6 +153,17 @@ def format_summary(s: dict) -> str:
         f"throughput: {s['samples_per_s']:.0f} samples/s ({s['samples']} samples in "
         f"{s['train_seconds']:.1f}s, all waves)",
     ]
+    members = s.get("membership") or {}
+    if members.get("leaves") or s.get("workers_lost"):
+        lines.append(
+            f"membership: {members.get('joins', 0)} join(s), {members.get('leaves', 0)} "
+            f"leave(s) of waves (epoch {members.get('epoch', 0)})"
+            + (
+                f"; {s['workers_lost']} worker(s) lost with their node"
+                if s.get("workers_lost")
+                else ""
+            )
+        )
     if s.get("lost_updates"):
         lines.append(f"restarted shards lost {s['lost_updates']} update(s) (see the records)")
     lines.append(_precision_line(s))

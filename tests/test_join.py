@@ -9,6 +9,7 @@ import pytest
 from conftest import forked, run_wavelet, wait_for
 
 from wavelet.common.records import read_records
+from wavelet.scripts.stats import fetch_stats
 
 JOB = ["--epochs", "500", "--waves", "1", "--staleness", "inf", "--set", "heartbeat_s=0.5"]
 
@@ -68,11 +69,19 @@ def test_a_worker_joins_a_running_job_in_the_slot_one_left(shard_daemons, tmp_pa
                 "--run-dir", str(tmp_path / "m"), "--model", "mlp", "--threads", "1", timeout=90,
             )  # fmt: skip
             assert other_model.returncode == 1 and "plan" in other_model.stderr, other_model.stderr
+            # the membership, as stats and the records show it
+            members = fetch_stats(daemons.addresses[:1])[0]["members"]
+            assert members["joins"] >= 3 and members["leaves"] >= 1, members
+            assert members["epoch"] == members["joins"] + members["leaves"]
             j.send_signal(signal.SIGTERM)
             assert j.wait(30) == 0
         assert len(_steps(a_records)) > at_leave + 10  # a never stopped
         a.send_signal(signal.SIGTERM)
         assert a.wait(30) == 0
+    events = list(read_records(daemons.tmp / "records" / "ps-0-members.jsonl"))
+    assert {"event": "leave", "wave": "w1/0"} in [
+        {k: e[k] for k in ("event", "wave")} for e in events
+    ]
     text = (tmp_path / "joined.log").read_text()
     assert "as worker 1 of 2" in text  # the slot b left
     first = _steps(joined)[0]

@@ -64,6 +64,10 @@ def test_live_metrics_rise_and_agree_with_the_shard(tmp_path):
             }
             assert buckets["+Inf"] == count
         assert first[updates][shard0] > 0
+        # the membership: both waves joined, none left yet; the epoch counts the changes
+        assert first["wavelet_shard_joins_total"][shard0] == 2
+        assert first["wavelet_shard_leaves_total"][shard0] == 0
+        assert first["wavelet_shard_membership_epoch"][shard0] == 2
 
         def risen(url, name, then) -> bool:
             now = _scrape(url)[name]
