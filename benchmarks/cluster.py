@@ -30,6 +30,7 @@ Needs root, ``ip`` and ``tc``; nothing leaves the namespaces it makes, and it re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -37,16 +38,25 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from summarize_updates import median_range  # benchmarks/, beside this script
+from cluster_events import (
+    Disturbances,
+    first_push_after,
+    first_step_seen,
+    parse_event,
+    run_logged,
+    stalls,
+)
+from cluster_report import merge_nodes, report, shard_apply_ms, timeline_plot
+from emulated_cluster import Cluster, node_command, node_cores, preflight, rate_bits
 
 from wavelet.common.figures import run_figures
-
-SUBNET = "169.254.78"  # link-local addresses inside the namespaces only
+from wavelet.scripts import throttle
+from wavelet.scripts.throttle import CpuCap
 
 
 @dataclass(frozen=True)
@@ -133,122 +143,9 @@ MODES = {
 }
 
 
-def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(args, check=check, capture_output=True, text=True, timeout=30)
-
-
-def preflight() -> str | None:
-    """Why this machine cannot run the benchmark, in one line; None when it can."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, tc): run it as root or with sudo"
-    for tool in ("ip", "tc", "taskset"):
-        if shutil.which(tool) is None:
-            return f"needs `{tool}` (iproute2, util-linux) on PATH"
-    return None
-
-
-def rate_bits(rate: str) -> float:
-    """``1gbit``, ``100mbit``, ``500kbit`` in bits per second."""
-    for suffix, scale in {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}.items():
-        if rate.endswith(suffix):
-            try:
-                return float(rate[: -len(suffix)]) * scale
-            except ValueError:
-                break
-    raise ValueError(f"--rates: {rate!r} is not like 1gbit, 100mbit or 500kbit")
-
-
-def tbf(rate: str) -> list[str]:
-    """A token bucket at ``rate`` whose burst exceeds the MTU and one timer tick's worth."""
-    burst = max(32 * 1024, int(rate_bits(rate) / 8 / 250))
-    return ["tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
-
-
-@dataclass
-class Cluster:
-    """N namespaces on a bridge; ``close()`` deletes them (their links go with them)."""
-
-    nodes: int
-    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
-    made: list[str] = field(default_factory=list)
-
-    def ns(self, i: int) -> str:
-        return f"wvc-{self.tag}-n{i}"
-
-    def dev(self, i: int) -> str:
-        return f"wc{self.tag}n{i}"
-
-    def port(self, i: int) -> str:
-        """The bridge's end of node ``i``'s link."""
-        return f"wc{self.tag}s{i}"
-
-    def addr(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
-
-    @property
-    def switch(self) -> str:
-        return f"wvc-{self.tag}-sw"
-
-    def open(self) -> Cluster:
-        sh("ip", "netns", "add", self.switch)
-        self.made.append(self.switch)
-        sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", self.switch, "link", "set", "br0", "up")
-        for i in range(self.nodes):
-            ns, dev, port = self.ns(i), self.dev(i), self.port(i)
-            sh("ip", "netns", "add", ns)
-            self.made.append(ns)
-            sh("ip", "link", "add", dev, "type", "veth", "peer", "name", port)
-            sh("ip", "link", "set", dev, "netns", ns)
-            sh("ip", "link", "set", port, "netns", self.switch)
-            sh("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
-            sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        return self
-
-    def shape(self, rate: str) -> None:
-        """Both directions of every node's link at ``rate``."""
-        for i in range(self.nodes):
-            for ns, dev in ((self.ns(i), self.dev(i)), (self.switch, self.port(i))):
-                sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf(rate))
-
-    def tx_bytes(self) -> int:
-        """Bytes the nodes have sent on their links so far (all of them cross the bridge)."""
-        total = 0
-        for i in range(self.nodes):
-            out = sh("ip", "-n", self.ns(i), "-s", "-j", "link", "show", "dev", self.dev(i))
-            total += json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"]
-        return total
-
-    def close(self) -> None:
-        for ns in reversed(self.made):
-            sh("ip", "netns", "delete", ns, check=False)
-        self.made.clear()
-
-
-def node_command(cluster: Cluster, node: int, cores: str, torchrun: list[str]) -> list[str]:
-    """``torchrun`` in node ``node``'s namespace, on its cores, with a /dev/shm of its own
-    (``ip netns exec`` gives each command a mount namespace: the tmpfs is seen by it alone)."""
-    script = 'mount -t tmpfs -o size=50% wavelet-node /dev/shm && exec taskset -c "$0" "$@"'
-    return ["ip", "netns", "exec", cluster.ns(node), "sh", "-c", script, cores, *torchrun]
-
-
-def node_cores(nodes: int, per_node: int) -> list[str]:
-    available = sorted(os.sched_getaffinity(0))
-    if nodes * per_node > len(available):
-        print(
-            f"note: {nodes} nodes x {per_node} cores > {len(available)} cores here: nodes share",
-            flush=True,
-        )
-    return [
-        ",".join(str(available[(n * per_node + k) % len(available)]) for k in range(per_node))
-        for n in range(nodes)
-    ]
-
-
 def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, port: int) -> dict:
-    """One mode on every node at once; its figures from the records of all nodes."""
+    """One mode on every node at once, with the run's caps and events; its figures from the
+    records of all nodes."""
     mode = MODES[mode_name]
     cores = node_cores(cluster.nodes, args.cores_per_node)
     job = ["--config", args.config] if args.config else []
@@ -260,56 +157,87 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
     job += args.job
     if mode.lr_factor != 1.0:
         job += ["--lr", repr(mode.lr_factor * job_lr(args.config, args.job))]
-    procs = []
+    allreduce = "allreduce" in mode.args
+    elastic = allreduce and bool(args.events)
+    if elastic:  # what all-reduce's users do: checkpoints, restarts, an elastic rendezvous
+        job += ["--checkpoint-every-s", str(args.allreduce_checkpoint_s)]
+    caps = (
+        [CpuCap(f"n{n}", args.cores_per_node) for n in range(cluster.nodes)] if args.cgroups else []
+    )
+    procs, joiners = [], []
+
+    def torchrun(n: int) -> list[str]:
+        nnodes = f"1:{cluster.nodes}" if elastic else str(cluster.nodes)
+        rdzv = f"is_host={'true' if n == 0 else 'false'}"
+        if elastic:
+            rdzv += ",last_call_timeout=1"
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", nnodes, "--nproc-per-node", str(mode.processes),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.addr(0)}:{port}",
+            "--rdzv-id", f"cluster-{cluster.tag}-{port}", "--local-addr", cluster.addr(n),
+            "--rdzv-conf", rdzv, *(["--max-restarts", "5"] if elastic else []),
+            "-m", "wavelet.scripts.cli", "run", *mode.args, "--insecure",
+            "--run-dir", str(run_dir / f"node{n}"), *job,
+        ]  # fmt: skip
+
+    def start(n: int, command: list[str], log: Path) -> subprocess.Popen:
+        cgroup = str(caps[n].procs_file) if caps else ""
+        return run_logged(node_command(cluster, n, cores[n], command, cgroup), log)
+
+    def join(n: int, at_s: float) -> None:
+        """Node ``n`` started again: all-reduce's torchrun joins the elastic rendezvous (the
+        group restarts from its checkpoint); a PS node's worker joins the running job."""
+        if allreduce:
+            procs.append(start(n, torchrun(n), run_dir / f"node{n}-join.log"))
+            return
+        node0 = run_dir / "node0"
+        command = [
+            sys.executable, "-m", "wavelet.scripts.cli", "worker",
+            "--join", (node0 / "ps-0.addr").read_text().strip(),
+            "--join-token-file", str(node0 / "admin-0.token"),
+            "--run-dir", str(run_dir / f"node{n}-join"), "--threads", str(args.cores_per_node),
+            "--max-seconds", str(max(1.0, args.seconds - at_s)), "--no-report",
+        ]  # fmt: skip
+        joiners.append((time.time(), start(n, command, run_dir / f"node{n}-join.log")))
+
     before = cluster.tx_bytes()
     started = time.time()
+    training, done = threading.Event(), threading.Event()
+    disturbances = Disturbances(caps, args, training, join)
     try:
         for n in range(cluster.nodes):
-            node_dir = run_dir / f"node{n}"
-            node_dir.mkdir(parents=True, exist_ok=True)
-            torchrun = [
-                sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", str(cluster.nodes), "--nproc-per-node", str(mode.processes),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.addr(0)}:{port}",
-                "--rdzv-id", f"cluster-{cluster.tag}-{port}", "--local-addr", cluster.addr(n),
-                "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}",
-                "-m", "wavelet.scripts.cli", "run", *mode.args, "--insecure",
-                "--run-dir", str(node_dir), *job,
-            ]  # fmt: skip
-            log = open(run_dir / f"node{n}.log", "wb")  # noqa: SIM115 (closed below)
-            procs.append(
-                (
-                    subprocess.Popen(
-                        node_command(cluster, n, cores[n], torchrun),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    ),
-                    log,
-                )
-            )
+            (run_dir / f"node{n}").mkdir(parents=True, exist_ok=True)
+            procs.append(start(n, torchrun(n), run_dir / f"node{n}.log"))
+        first_step_seen(run_dir, cluster.nodes, training, done)
+        disturbances.start()
         deadline = time.monotonic() + args.seconds + args.grace_s
         codes = []
-        for proc, _ in procs:
+        for proc in procs[: cluster.nodes]:  # node 0 decides; a lost node's code is expected
             try:
                 codes.append(proc.wait(max(1.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 codes.append(None)
     finally:
-        for proc, log in procs:
+        done.set()
+        disturbances.stop()
+        for proc in procs + [p for _, p in joiners]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-            log.close()
+        for cap in caps:
+            cap.close()  # whatever a node left, in any session, goes
     sent = cluster.tx_bytes() - before
     result = {"mode": mode_name, "seed": seed, "run_dir": str(run_dir), "codes": codes}
-    if any(c != 0 for c in codes):
+    lost = {e.node for e in args.events if e.kind in ("leave", "preempt")}
+    if codes[0] != 0 or any(c != 0 for n, c in enumerate(codes) if n not in lost):
         result["error"] = f"exit codes {codes}; see {run_dir}/node*.log"
         return result
     merged = merge_nodes(run_dir, cluster.nodes)
     figures = run_figures(merged, args.target_acc)
     samples = figures.samples_per_s * figures.train_seconds
     summary = json.loads((run_dir / "node0" / "summary.json").read_text())
+    first_event = min((e["t"] for e in disturbances.timeline.events), default=None)
     result.update(
         samples_per_s=summary.get("samples_per_s", figures.samples_per_s),
         time_to_target_s=figures.time_to_target_s,
@@ -325,8 +253,45 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
         shard_apply_ms=shard_apply_ms(merged),
         batch=mode.batch_factor * args.batch_size,
         wall_s=time.time() - started,
+        samples_per_node=node_samples(run_dir, cluster.nodes),
+        # the nodes that stayed: their longest time without a step, after the first event
+        max_stall_s=stalls(run_dir, 0, first_event) if first_event else None,
+        join_first_push_s=(
+            first_push_after(
+                run_dir / f"node{next(e.node for e in args.events if e.kind == 'join')}-join",
+                joiners[0][0],
+            )
+            if joiners
+            else None
+        ),
+        timeline=dataclasses.asdict(disturbances.timeline),
+        lost_updates=summary.get("lost_updates"),
     )
     return result
+
+
+def _first_push(run_dir: Path, args, joiners: list) -> float | None:
+    """A node started again (PS: its worker joining the running job): how soon its first step
+    landed after its process started, imports included."""
+    joined = [e.node for e in args.events if e.kind == "join"]
+    if not (joined and joiners):
+        return None
+    return first_push_after(run_dir / f"node{joined[0]}-join", joiners[0][0])
+
+
+def node_samples(run_dir: Path, nodes: int) -> list[int]:
+    """Samples each node's workers trained (a node started again counts its second life)."""
+    out = []
+    for n in range(nodes):
+        total = 0
+        for d in (run_dir / f"node{n}", run_dir / f"node{n}-join"):
+            for path in d.glob("records/worker-*-wave-*.jsonl"):
+                for line in path.read_text().splitlines():
+                    r = json.loads(line)
+                    if r.get("kind") == "step":
+                        total += r["samples"]
+        out.append(total)
+    return out
 
 
 def job_lr(config: str | None, extra: list[str]) -> float:
@@ -338,108 +303,6 @@ def job_lr(config: str | None, extra: list[str]) -> float:
     if "--lr" in extra:
         return float(extra[extra.index("--lr") + 1])
     return from_dict(JobConfig, load_toml(config) if config else {}).optimizer.lr
-
-
-def shard_apply_ms(run_dir: Path) -> float | None:
-    """Median time a shard spent on one push (read, checks, update), from its push records."""
-    from wavelet.common.records import read_records
-
-    times = [
-        r["apply_s"]
-        for path in (run_dir / "records").glob("ps-*-pushes.jsonl")
-        for r in read_records(path)
-        if "apply_s" in r
-    ]
-    return 1000 * statistics.median(times) if times else None
-
-
-def link_ms_per_step(result: dict, rate: str) -> float | None:
-    """What one task's step moves over its node's link, in ms at ``rate``: half the bytes that
-    crossed per sample go each way (push up, pull down; a ring's send and receive), full duplex."""
-    if not (result.get("link_bytes_per_sample") and result.get("batch")):
-        return None
-    return 1000 * result["link_bytes_per_sample"] * result["batch"] / 2 * 8 / rate_bits(rate)
-
-
-def merge_nodes(run_dir: Path, nodes: int) -> Path:
-    """One run dir with every node's records (file names carry global ranks and shard
-    indices, so they never collide) and node 0's job and summary: the nodes share one clock
-    here, so the figures of the whole job come from it."""
-    merged = run_dir / "merged"
-    (merged / "records").mkdir(parents=True, exist_ok=True)
-    for n in range(nodes):
-        for path in (run_dir / f"node{n}" / "records").glob("*.jsonl"):
-            shutil.copy(path, merged / "records" / path.name)
-    for name in ("job.json", "summary.json"):
-        if (run_dir / "node0" / name).exists():
-            shutil.copy(run_dir / "node0" / name, merged / name)
-    return merged
-
-
-def report(results: list[dict], args) -> str:
-    lines = [
-        f"# Emulated cluster: {args.nodes} nodes, {args.cores_per_node} core(s) each",
-        "",
-        f"Job: `{args.config or 'default'}` {' '.join(args.job)}; {args.seconds:g} s per run; "
-        f"target {args.target_acc:g}; seeds {args.seeds}. Median (range) over seeds; *vs "
-        "allreduce* divides by all-reduce's median at the same rate (samples/s: higher is "
-        "better; time to target: lower is better). *link ms / step*: what one task's step "
-        "moves over its node's link, at the link's rate (half the bytes each way). *shard ms / "
-        "push*: a shard's own work per push (read, checks, update), from its records.",
-        "",
-    ]
-    for rate in args.rates:
-        at_rate = [r for r in results if r["rate"] == rate]
-        ok = [r for r in at_rate if "error" not in r]
-        base = [r for r in ok if r["mode"] == "allreduce"]
-        base_sps = statistics.median(r["samples_per_s"] for r in base) if base else None
-        base_ttt = [r["time_to_target_s"] for r in base if r["time_to_target_s"] is not None]
-        base_ttt_med = statistics.median(base_ttt) if base_ttt else None
-        lines += [
-            f"## {rate}",
-            "",
-            "| mode | samples/s | vs allreduce | time to target, s | reached | vs allreduce "
-            "| final | link MB / sample | link ms / step | staleness | step ms (fwd / bwd / "
-            "push+pull / pull in fwd / baton / bwd+allreduce) | shard ms / push |",
-            "|---|---|---:|---|---|---:|---|---:|---:|---:|---|---:|",
-        ]
-        for mode in args.modes:
-            runs = [r for r in ok if r["mode"] == mode]
-            failed = [r for r in at_rate if r["mode"] == mode and "error" in r]
-            if not runs:
-                lines.append(f"| {mode} | failed: {failed[0]['error'] if failed else '-'} |")
-                continue
-            sps = [r["samples_per_s"] for r in runs]
-            ttt = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
-            final = [r["final_score"] for r in runs if r["final_score"] is not None]
-            mb = [r["link_bytes_per_sample"] / 1e6 for r in runs if r["link_bytes_per_sample"]]
-            stale = [r["staleness_mean"] for r in runs if r["staleness_mean"] is not None]
-            link = [v for v in (link_ms_per_step(r, rate) for r in runs) if v is not None]
-            apply = [r["shard_apply_ms"] for r in runs if r.get("shard_apply_ms") is not None]
-            parts = ["forward_s", "backward_s", "push_pull_s", "pull_wait_s", "baton_wait_s"]
-            parts.append("backward_allreduce_s")
-            step = " / ".join(
-                f"{statistics.median(r['step_ms'][p] for r in runs):.0f}"
-                if all(p in r["step_ms"] for r in runs)
-                else "-"
-                for p in parts
-            )
-            vs_sps = f"{statistics.median(sps) / base_sps:.2f}x" if base_sps else "-"
-            vs_ttt = (
-                f"{statistics.median(ttt) / base_ttt_med:.2f}x"
-                if ttt and base_ttt_med and len(ttt) == len(runs)
-                else "-"
-            )
-            lines.append(
-                f"| {mode} | {median_range(sps, 0)} | {vs_sps} | "
-                f"{median_range(ttt, 1)} | {len(ttt)}/{len(runs)} | {vs_ttt} | "
-                f"{median_range(final, 3)} | {median_range(mb, 3)} | "
-                f"{median_range(link, 0)} | {median_range(stale, 2)} | {step} | "
-                f"{median_range(apply, 1)} |"
-            )
-        lines.append("")
-    lines += ["Modes:", ""] + [f"- `{m}`: {MODES[m].description}" for m in args.modes]
-    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
@@ -456,6 +319,24 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default="runs/cluster")
     p.add_argument("--report-only", action="store_true", help="rewrite the report of --out")
+    p.add_argument(
+        "--slow", action="append", default=[], metavar="NODE:PCT",
+        help="cap every process of node NODE at PCT%% of its cores for the whole run",
+    )  # fmt: skip
+    p.add_argument(
+        "--noisy", action="append", default=[], metavar="NODE:ON_S:OFF_S:PCT",
+        help="a co-tenant on node NODE: capped at PCT%% for ON_S seconds, free for OFF_S, again",
+    )  # fmt: skip
+    for kind, what in (
+        ("leave", "kill -9 every process of node NODE, T seconds into training"),
+        ("preempt", "SIGTERM to every process of node NODE (a preemption notice) at T"),
+        ("join", "start node NODE's worker again at T (all-reduce: its torchrun)"),
+    ):
+        p.add_argument(f"--{kind}", action="append", default=[], metavar="NODE@T", help=what)
+    p.add_argument(
+        "--allreduce-checkpoint-s", type=float, default=2.0,
+        help="with --leave/--preempt/--join: all-reduce's rank 0 checkpoints this often",
+    )  # fmt: skip
     p.add_argument("job", nargs="*", help="more job flags for `wavelet run`, after --")
     args = p.parse_args(argv)
     args.rates = args.rates.split(",")
@@ -471,6 +352,21 @@ def parse_args(argv=None):
             rate_bits(rate)  # a bad rate is refused now, not after the namespaces are made
         except ValueError as e:
             p.error(str(e))
+    try:  # bad caps and events are refused now, in one line
+        args.slow = [throttle.parse_cap(s, "--slow", args.nodes) for s in args.slow]
+        args.noisy = [throttle.parse_noisy(s, args.nodes) for s in args.noisy]
+        args.events = [
+            parse_event(kind, text, args.nodes)
+            for kind in ("leave", "preempt", "join")
+            for text in getattr(args, kind)
+        ]
+    except ValueError as e:
+        p.error(str(e))
+    # every node gets a cgroup where there is a writable cpu controller: caps, and kills that
+    # reach everything a node started; caps and events need one
+    args.cgroups = throttle.why_not() is None
+    if (args.slow or args.noisy or args.events) and not args.cgroups:
+        p.error(f"--slow, --noisy, --leave, --preempt and --join: {throttle.why_not()}")
     args.batch_size_given = args.batch_size is not None
     if args.batch_size is None:
         args.batch_size = job_batch_size(args.config)
@@ -488,8 +384,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report_only:  # the same flags as the run, for the report's words
         results = json.loads((Path(args.out) / "results.json").read_text())
-        (Path(args.out) / "report.md").write_text(report(results, args))
-        print(report(results, args))
+        (Path(args.out) / "report.md").write_text(
+            report(results, args, {k: m.description for k, m in MODES.items()})
+        )
+        print(report(results, args, {k: m.description for k, m in MODES.items()}))
         return 0
     why = preflight()
     if why:
@@ -517,11 +415,14 @@ def main(argv=None) -> int:
                     r = run_mode(cluster, args, mode, seed, run_dir, port)
                     r["rate"] = rate
                     results.append(r)
-                    print(f"   {json.dumps({k: v for k, v in r.items() if k != 'step_ms'})}")
+                    shown = {k: v for k, v in r.items() if k not in ("step_ms", "timeline")}
+                    print(f"   {json.dumps(shown)}", flush=True)
+                    if "error" not in r and (args.slow or args.noisy or args.events):
+                        timeline_plot(r, cluster.nodes, out / f"timeline-{mode}-seed{seed}.png")
                     (out / "results.json").write_text(json.dumps(results, indent=1))
     finally:
         cluster.close()
-    text = report(results, args)
+    text = report(results, args, {k: m.description for k, m in MODES.items()})
     (out / "report.md").write_text(text)
     print(text)
     return 0

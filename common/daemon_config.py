@@ -224,7 +224,14 @@ class WorkerConfig:
         "(default: the rank)",
     )
     resume: bool = setting(
-        False, help="go on from the clocks the shards restored from their checkpoints"
+        False,
+        help="go on from the clocks the shards restored from their checkpoints (all-reduce: "
+        "from rank 0's checkpoint)",
+    )
+    checkpoint_every_s: float = setting(
+        0.0,
+        help="all-reduce: rank 0 saves the model and optimizer every S seconds, so that a "
+        "group torchrun restarts goes on from there (0: never)",
     )
     cuda_memory_gib: float = setting(
         0.0,
@@ -276,6 +283,7 @@ class WorkerConfig:
         non_negative("threads", self.threads)
         non_negative("core_budget", self.core_budget)
         non_negative("cuda_memory_gib", self.cuda_memory_gib)
+        non_negative("checkpoint_every_s", self.checkpoint_every_s)
         check_metrics_port(self.metrics_port)
         if self.device_index < 0:
             self.device_index = self.rank
@@ -392,7 +400,11 @@ class RunConfig:
         "all of the job's PS traffic",
     )
     checkpoint_every: int = setting(0, help=SHARDS_CHECKPOINT_EVERY_HELP)
-    checkpoint_every_s: float = setting(0.0, help=SHARDS_CHECKPOINT_EVERY_S_HELP)
+    checkpoint_every_s: float = setting(
+        0.0,
+        help="shards checkpoint every S seconds (0: only when they stop); all-reduce: rank 0 "
+        "saves the model and optimizer, and a group torchrun restarts goes on from there",
+    )
     insecure: bool = setting(False, help="allow shards on a non-loopback address without CURVE")
     transport: str = setting("auto", help=TRANSPORT_HELP, choices=TRANSPORTS)
 

@@ -8,7 +8,6 @@ import logging
 import sys
 from pathlib import Path
 
-from wavelet.common.config import JobConfig
 from wavelet.common.daemon_config import LaunchConfig, PSConfig, RunConfig, WorkerConfig
 from wavelet.common.records import new_run_dir
 from wavelet.common.settings import ConfigError, check_address, check_device, from_dict
@@ -74,7 +73,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     config = config_from_args(WorkerConfig, args, job=job_from_args(args))
     if config.join:
-        config = _joined(config, job_given=_job_flags_given(args))
+        config = _joined(config, args)
     if config.mode == "allreduce":
         from wavelet.worker.allreduce import AllReduceWorker, exit_rank, run_rank
 
@@ -93,21 +92,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return train_and_report(daemon)
 
 
-def _job_flags_given(args: argparse.Namespace) -> bool:
-    """Whether the command line says anything of the job (a file, a flag, an override)."""
-    given = any(v is not None for k, v in vars(args).items() if k.startswith("job."))
-    return given or bool(args.config) or bool(args.overrides)
-
-
-def _joined(config: WorkerConfig, job_given: bool) -> WorkerConfig:
-    """``wavelet worker --join ADDR``: the running job's description from that shard (its job
-    unless the command line gives one, every shard's address, a worker slot)."""
+def _joined(config: WorkerConfig, args: argparse.Namespace) -> WorkerConfig:
+    """``wavelet worker --join ADDR``: the running job's description from that shard (its job,
+    with what the command line says of it on top: --max-seconds, say), every shard's address
+    and a worker slot."""
     import dataclasses
 
     from wavelet.common.messages import DescribeRequest, reply_body
     from wavelet.common.protocol import Op, ShardError
     from wavelet.common.security import load_admin_token
-    from wavelet.common.settings import from_dict
     from wavelet.worker.connection import call_shard, client_keys
 
     token = load_admin_token(config.join_token_file, create=False)
@@ -122,7 +115,7 @@ def _joined(config: WorkerConfig, job_given: bool) -> WorkerConfig:
     except ShardError as e:
         raise ConfigError(f"--join {config.join}: {e}") from None
     described = reply_body(Op.DESCRIBE, h)
-    job = config.job if job_given else from_dict(JobConfig, described.job)
+    job = job_from_args(args, base=described.job)
     print(
         f"joining the job of {config.join} as worker {described.rank} of "
         f"{described.num_workers} ({len(described.shards)} shard(s))",

@@ -154,8 +154,10 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def job_from_args(args: argparse.Namespace) -> JobConfig:
-    data: dict[str, Any] = {}
+def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> JobConfig:
+    """The job the flags give: ``--config`` (else ``base``, e.g. a running job's), then each
+    job flag, then ``--set`` overrides."""
+    data: dict[str, Any] = dict(base or {})
     if args.config:
         if args.config.endswith(".json"):
             try:

@@ -246,6 +246,8 @@ def _shard(config: RunConfig, role: Role, layout: Layout, index: int, store) -> 
         # a standby that takes its shard over is where that shard is looked up from then on
         server.on_takeover = lambda shard, address: store.set(_key(role, f"shard/{shard}"), address)
     store.set(_key(role, f"shard/{index}"), server.address)
+    # as the launcher's shards do: where to point wavelet stats, or a worker that joins
+    (Path(config.run_dir) / f"ps-{index}.addr").write_text(server.address)
     # where every shard is now, for a worker that joins the job (wavelet worker --join)
     server.set_directory(
         lambda: [store.get(_key(role, f"shard/{i}")).decode() for i in range(layout.shards)]
@@ -404,6 +406,8 @@ def _allreduce_rank(config: RunConfig, role: Role) -> NoReturn:
         threads=max(1, usable_cores() // role.local_world),
         run_dir=run_dir,
         mode="allreduce",
+        checkpoint_every_s=config.checkpoint_every_s,
+        resume=role.restart > 0,  # torchrun restarted the group: go on from rank 0's checkpoint
     )
     started = time.time()
     code = run_rank(AllReduceWorker(rank_config))

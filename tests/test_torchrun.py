@@ -188,3 +188,39 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_all_reduce_under_torchrun_restarts_from_its_checkpoint(tmp_path):
+    """The all-reduce baseline of elastic membership: rank 0 checkpoints every second; a rank
+    killed mid-run makes torchrun restart the group, which goes on from the checkpoint (not
+    from the start) and finishes its budget."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        *TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        "-m", "wavelet.scripts.cli", "run", "--mode", "allreduce", "--epochs", "30",
+        "--checkpoint-every-s", "1", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    checkpoint = run_dir / "checkpoints" / "allreduce.pt"
+    records = run_dir / "records" / "worker-0-wave-0.jsonl"
+    with started(cmd, tmp_path / "torchrun.log", start_new_session=True) as proc:
+        wait_for(lambda: checkpoint.exists(), 120, "no checkpoint")
+        rank1 = [
+            p
+            for p in descendants(proc.pid)
+            if _environ(p).get("RANK") == "1" and b"wavelet" in _cmdline(p)
+        ]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGKILL)
+        assert proc.wait(240) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    starts = [i for i, r in enumerate(rows) if r["kind"] == "start"]
+    assert len(starts) == 2
+    resumed_at = next(r["iter"] for r in rows[starts[1] :] if r["kind"] == "step")
+    assert resumed_at > 0  # from the checkpoint, not from the start
+    last = max(r["iter"] for r in rows if r["kind"] == "step")
+    steps = next(r["steps_per_epoch"] for r in rows if r["kind"] == "start")
+    assert last == 30 * steps - 1  # and to the end of its budget
+    assert "all-reduce resumes from its checkpoint" in (tmp_path / "torchrun.log").read_text()
+    _assert_nothing_left(run_dir)

@@ -33,6 +33,7 @@ from wavelet.common.records import RecordWriter
 from wavelet.common.schedule import lr_factor, progress
 from wavelet.common.settings import ConfigError
 from wavelet.common.step import AUTOCAST_DTYPES, clip_gradients, load_step
+from wavelet.worker.allreduce_checkpoint import RankCheckpoints
 from wavelet.worker.evaluate import TestSnapshots, eval_record, evaluate
 from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_memory
 from wavelet.worker.metrics import serve_worker_metrics
@@ -85,11 +86,16 @@ class AllReduceWorker:
     def _epochs(self, r: _Rank) -> bool:
         """Train until the job's end or an agreed stop; True when it got there (not raised)."""
         job = self.config.job
-        started = time.monotonic()
-        iteration = 0
-        for epoch in range(job.epochs if job.epochs else 1 << 30):
+        first = r.resumed.get("iteration", 0)
+        started = time.monotonic() - r.resumed.get("elapsed_s", 0.0)  # the budget goes on
+        iteration = first
+        for epoch in range(first // r.steps, job.epochs if job.epochs else 1 << 30):
             r.ddp.train()
-            for batch in r.part.batches(job.batch_size, epoch, job.seed + 7919 * r.rank):
+            for skipped, batch in enumerate(
+                r.part.batches(job.batch_size, epoch, job.seed + 7919 * r.rank)
+            ):
+                if epoch == first // r.steps and skipped < first % r.steps:
+                    continue  # a resumed group goes on where its checkpoint was
                 if self._should_stop(started, r.device):
                     return True
                 done = progress(
@@ -97,6 +103,9 @@ class AllReduceWorker:
                 )
                 r.step(epoch, iteration, batch, job.optimizer.lr * lr_factor(job.lr_schedule, done))
                 iteration += 1
+                r.checkpoints.maybe_save(
+                    r.model, r.optimizer, iteration, time.monotonic() - started
+                )
                 if r.rank == 0:
                     r.tests.maybe_take(r.model, epoch)
             r.end_epoch(epoch)
@@ -219,6 +228,8 @@ class _Rank:
         self.unused_setting = job.find_unused_parameters
         self.settling = self.unused_setting == "auto"  # until the first step has shown
         self.find_unused = self.unused_setting != "never"
+        self.checkpoints = RankCheckpoints(cfg.run_dir, cfg.checkpoint_every_s, self.rank)
+        resumed = self.checkpoints.restore_model(self.model) if cfg.resume else {}
         self.ddp = self._wrap(self.find_unused)
         fp16 = job.precision == "fp16"
         # fp16 compute scales the loss as DDP users do; a no-op for fp32 and bf16. Not with a
@@ -227,6 +238,10 @@ class _Rank:
         params = list(self.ddp.parameters())
         self.optimizer = job.optimizer.build(
             params, fused=not fp16, ndims=[p.dim() for p in params]
+        )
+        # where a restarted group goes on from: how far training got, its optimizer state
+        self.resumed = (
+            self.checkpoints.restore_optimizer(self.optimizer, resumed) if cfg.resume else {}
         )
         self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
         self.skipped = 0
