@@ -384,6 +384,7 @@ class PSClient:
                 except zmq.Again:
                     continue
                 h, tensors = decode_reply(frames, self.addresses[i])
+                self.links.answered(i)
                 if h.request_id != rid or replies[i] is not None:
                     continue  # a late answer to a request we gave up on or recovered from
                 if h.op == Op.ERROR:
@@ -585,6 +586,7 @@ class PSClient:
                 raise StopRequested()
             if sock.poll(200):
                 h, out = decode_reply(sock.recv_multipart(copy=False), self.addresses[i])
+                self.links.answered(i)
                 if h.request_id != rid:
                     continue
                 raise_for_error(h, self.addresses[i])

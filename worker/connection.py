@@ -20,20 +20,30 @@ from wavelet.common.protocol import (
 from wavelet.common.security import ClientKeys
 
 
-def connect_dealer(
+def dealer(
     context: zmq.Context,
-    address: str,
     keys: ClientKeys | None = None,
     options: dict[int, int] | None = None,
 ) -> zmq.Socket:
-    """A DEALER connected to ``address`` (CURVE-secured when ``keys`` are given), closing with
-    linger 0; ``options`` are extra socket options, ZeroMQ constant -> value."""
+    """A DEALER, not yet connected (CURVE-secured when ``keys`` are given), closing with linger
+    0; ``options`` are extra socket options, ZeroMQ constant -> value."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     for option, value in (options or {}).items():
         sock.setsockopt(option, value)
     if keys is not None:
         keys.apply(sock)
+    return sock
+
+
+def connect_dealer(
+    context: zmq.Context,
+    address: str,
+    keys: ClientKeys | None = None,
+    options: dict[int, int] | None = None,
+) -> zmq.Socket:
+    """A DEALER connected to ``address`` (see ``dealer``)."""
+    sock = dealer(context, keys, options)
     sock.connect(address)
     return sock
 

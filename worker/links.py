@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from wavelet.common.security import ClientKeys
-from wavelet.worker.connection import connect_dealer
+from wavelet.worker.connection import dealer
 
 # what the monitors report: a connection lost, one (re)made, and attempts that found nobody
 EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED
@@ -70,9 +70,8 @@ class ShardLinks:
         # Reconnect to a restarted shard with backoff: 0.1 s, doubling up to 5 s. ZMTP pings
         # every second; a peer silent for the lost time is disconnected (a vanished host).
         ttl_ms = int(self.lost_after_s * 1000)
-        s = connect_dealer(
+        s = dealer(
             self.context,
-            address,
             self.keys,
             {
                 zmq.RECONNECT_IVL: 100,
@@ -83,7 +82,9 @@ class ShardLinks:
                 zmq.HEARTBEAT_TTL: ttl_ms,
             },
         )
-        return Link(address, s, s.get_monitor_socket(EVENTS))
+        monitor = s.get_monitor_socket(EVENTS)  # before connecting: no event is missed
+        s.connect(address)
+        return Link(address, s, monitor)
 
     def _register(self, i: int, link: Link) -> None:
         self.poller.register(link.socket, zmq.POLLIN)
@@ -122,6 +123,12 @@ class ShardLinks:
         for i, link in enumerate(self.links):
             while link.monitor.poll(block_ms):
                 self.take_event(i)
+
+    def answered(self, i: int) -> None:
+        """A reply came from shard ``i``: its connection is up, whatever the events said."""
+        link = self.links[i]
+        link.connected = True
+        link.down_since = None
 
     def down_for(self, i: int) -> float:
         """How long link ``i`` has been without a connection (0 while it has one)."""
