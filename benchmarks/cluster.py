@@ -169,13 +169,17 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
     caps = (
         [CpuCap(f"n{n}", args.cores_per_node) for n in range(cluster.nodes)] if args.cgroups else []
     )
-    procs, joiners = [], []
+    nodes: dict[int, subprocess.Popen] = {}  # each node's torchrun now
+    spent, joiners = [], []  # torchruns a restart replaced; workers that joined
+    generation = [port]  # rendezvous port of the current group (a restart takes a new one)
 
-    def torchrun(n: int) -> list[str]:
+    def torchrun(n: int, resume: bool = False) -> list[str]:
+        port = generation[0]
         nnodes = f"1:{cluster.nodes}" if elastic else str(cluster.nodes)
         rdzv = f"is_host={'true' if n == 0 else 'false'}"
         if elastic:
-            rdzv += ",last_call_timeout=1"
+            # a lost node counts as gone after 3 missed keep-alives of 1 s (default: 5 s x 3)
+            rdzv += ",last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
         return [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", nnodes, "--nproc-per-node", str(mode.processes),
@@ -183,7 +187,7 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
             "--rdzv-id", f"cluster-{cluster.tag}-{port}", "--local-addr", cluster.addr(n),
             "--rdzv-conf", rdzv, *(["--max-restarts", "5"] if elastic else []),
             "-m", "wavelet.scripts.cli", "run", *mode.args, "--insecure",
-            "--run-dir", str(run_dir / f"node{n}"), *job,
+            "--run-dir", str(run_dir / f"node{n}"), *job, *(["--resume"] if resume else []),
         ]  # fmt: skip
 
     def start(n: int, command: list[str], log: Path) -> subprocess.Popen:
@@ -191,10 +195,18 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
         return run_logged(node_command(cluster, n, cores[n], command, cgroup), log)
 
     def join(n: int, at_s: float) -> None:
-        """Node ``n`` started again: all-reduce's torchrun joins the elastic rendezvous (the
-        group restarts from its checkpoint); a PS node's worker joins the running job."""
+        """Node ``n`` started again: all-reduce does what torchrun does on any membership
+        change (every node's workers restart, from rank 0's checkpoint: a new group of all
+        nodes); a PS node's worker joins the running job, nobody restarts."""
         if allreduce:
-            procs.append(start(n, torchrun(n), run_dir / f"node{n}-join.log"))
+            for m in range(cluster.nodes):
+                if m != n:
+                    caps[m].kill_all()
+            spent.extend(nodes.values())
+            generation[0] += 1000  # a new rendezvous for the new group
+            for m in range(cluster.nodes):
+                suffix = "-join" if m == n else "-restart"
+                nodes[m] = start(m, torchrun(m, resume=True), run_dir / f"node{m}{suffix}.log")
             return
         node0 = run_dir / "node0"
         command = [
@@ -213,18 +225,15 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
     try:
         for n in range(cluster.nodes):
             (run_dir / f"node{n}").mkdir(parents=True, exist_ok=True)
-            procs.append(start(n, torchrun(n), run_dir / f"node{n}.log"))
+            nodes[n] = start(n, torchrun(n), run_dir / f"node{n}.log")
         first_step_seen(run_dir, cluster.nodes, training, done)
         disturbances.start()
         deadline = time.monotonic() + args.seconds + args.grace_s
-        codes = [
-            _wait_node(proc, run_dir / f"node{n}", deadline)
-            for n, proc in enumerate(procs[: cluster.nodes])
-        ]
+        codes = _wait_nodes(nodes, run_dir, deadline)
     finally:
         done.set()
         disturbances.stop()
-        for proc in procs + [p for _, p in joiners]:
+        for proc in [*nodes.values(), *spent, *(p for _, p in joiners)]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
@@ -278,23 +287,28 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
 EXIT_BARRIER_CUT_S = 15.0
 
 
-def _wait_node(proc: subprocess.Popen, node_dir: Path, deadline: float) -> int | None:
-    """A node's exit status (None: it ran past the deadline); a node 0 done with its job but
-    held in torchrun's exit barrier by a lost node counts as done (0)."""
+def _wait_nodes(nodes: dict[int, subprocess.Popen], run_dir: Path, deadline: float) -> list:
+    """Each node's exit status (None: past the deadline), waiting on whichever torchrun each
+    node runs now (a restart replaces them). A node 0 done with its job but held in torchrun's
+    exit barrier by a lost node counts as done (0)."""
+    codes: dict[int, int | None] = {}
     done_at = None
-    while time.monotonic() < deadline:
-        try:
-            return proc.wait(1.0)
-        except subprocess.TimeoutExpired:
-            pass
-        if (node_dir / "summary.json").exists():
+    while time.monotonic() < deadline and len(codes) < len(nodes):
+        time.sleep(0.5)
+        for n, proc in list(nodes.items()):
+            code = proc.poll()
+            if code is not None and nodes[n] is proc:  # not replaced meanwhile
+                codes[n] = code
+            elif code is None:
+                codes.pop(n, None)  # a node started again
+        if 0 not in codes and (run_dir / "node0" / "summary.json").exists():
             done_at = done_at or time.monotonic()
             if time.monotonic() - done_at > EXIT_BARRIER_CUT_S:
                 print("   node 0 done; its torchrun waits at its exit barrier: cut", flush=True)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-                return 0
-    return None
+                os.killpg(nodes[0].pid, signal.SIGKILL)
+                nodes[0].wait(10)
+                codes[0] = 0
+    return [codes.get(n) for n in sorted(nodes)]
 
 
 def _first_push(run_dir: Path, args, joiners: list) -> float | None:

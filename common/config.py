@@ -61,8 +61,12 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sgd": {"momentum": 0.7}}
 # Names of ps/policy.py's policies (kept here so config has no dependency on the ps package).
 STALE_POLICIES = ("apply", "scale", "drop", "dc-asgd")
 # how a shard turns pushes into updates (ps/synchronous.py)
-UPDATES = ("auto", "async", "wave-groups", "wave-turns")
+UPDATES = ("auto", "async", "wave-groups", "wave-turns", "k-of-n")
 GROUPED_UPDATES = ("wave-groups", "wave-turns")  # a group per local wave index, taking turns
+# rules with no staleness bound: their order (turns, a quorum) bounds each update's delay
+BOUNDLESS_UPDATES = (*GROUPED_UPDATES, "k-of-n")
+BALANCE_BATCHES = ("auto", "on", "off")
+LATE_PUSHES = ("fold", "drop")
 UPDATE_LRS = ("full", "by-samples")  # the step size of one update (docs/tuning.md)
 PRECISIONS = ("fp32", "bf16", "fp16")  # of the forward (torch.autocast); parameters stay fp32
 # dtype of gradients and weights between waves and shards; shards keep fp32 master weights
@@ -317,6 +321,24 @@ class JobConfig:
         "step: for devices that compute one wave at a time, such as a CPU)",
         choices=UPDATES,
     )
+    balance_batches: str = setting(
+        "auto",
+        help="synchronous rules: each wave's batch follows its measured speed so that a step's "
+        "waves finish together, the step still the mean over all its samples (on, off; auto: "
+        "while the fastest wave of a step is over 1.3x the slowest)",
+        choices=BALANCE_BATCHES,
+    )
+    sync_quorum: int = setting(
+        0,
+        help="updates = k-of-n: a step closes once this many waves pushed it and the others "
+        "are late (0: half the live waves, rounded up)",
+    )
+    late_pushes: str = setting(
+        "fold",
+        help="updates = k-of-n: a push for a step that closed without it is folded into the "
+        "open step (fold, counted in its mean) or dropped (drop)",
+        choices=LATE_PUSHES,
+    )
     update_lr: str = setting(
         "full",
         help="full: every update takes the optimizer's lr; by-samples: lr times the share of "
@@ -436,14 +458,21 @@ class JobConfig:
                 "waves: drop --staleness 0 (wave groups use no staleness bound: their turn "
                 "order is the bound), or use updates = async with staleness 0"
             )
-        if self.updates in GROUPED_UPDATES:
+        if self.updates in BOUNDLESS_UPDATES:
             unused = _async_only_settings(self)
             if unused:
+                order = "quorum" if self.updates == "k-of-n" else "turn order"
                 raise ConfigError(
                     f"updates = {self.updates} has no staleness bound and no stale policy (its "
-                    f"turn order fixes each update's delay), so {' and '.join(unused)} would do "
+                    f"{order} fixes each update's delay), so {' and '.join(unused)} would do "
                     "nothing: drop it, or use --updates async to bound asynchronous waves"
                 )
+        non_negative("sync_quorum", self.sync_quorum)
+        if self.sync_quorum and self.updates != "k-of-n":
+            raise ConfigError(
+                f"sync_quorum = {self.sync_quorum} is for updates = k-of-n (a step closes once "
+                f"that many waves pushed it), not {self.updates}: add --updates k-of-n"
+            )
 
     @property
     def chunk_bytes(self) -> int:

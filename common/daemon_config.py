@@ -406,6 +406,11 @@ class RunConfig:
         "saves the model and optimizer, and a group torchrun restarts goes on from there",
     )
     insecure: bool = setting(False, help="allow shards on a non-loopback address without CURVE")
+    resume: bool = setting(
+        False,
+        help="go on from the checkpoints in the run dir (the shards', all-reduce's rank 0's), "
+        "as a group torchrun restarts does",
+    )
     transport: str = setting("auto", help=TRANSPORT_HELP, choices=TRANSPORTS)
 
     def __post_init__(self) -> None:

@@ -79,13 +79,20 @@ class DataPart:
     max_shift: int = 0
 
     def batches(
-        self, batch_size: int, epoch: int, seed: int
+        self, batch_size: int, epoch: int, seed: int, sizes: Callable[[], int] | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Shuffled full batches for one epoch (a last partial batch is dropped)."""
+        """Shuffled full batches for one epoch (a last partial batch is dropped); with
+        ``sizes``, each batch takes as many samples as ``sizes()`` says just before it (balanced
+        batches, ``ps/balance.py``)."""
         g = torch.Generator().manual_seed(seed + epoch)
         order = torch.randperm(len(self.x), generator=g)
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            idx = order[start : start + batch_size]
+        start = 0
+        while True:
+            size = sizes() if sizes is not None else batch_size
+            if start + size > len(order):
+                return
+            idx = order[start : start + size]
+            start += size
             x = self.x[idx]
             if self.max_shift:
                 dx, dy = torch.randint(-self.max_shift, self.max_shift + 1, (2,), generator=g)
@@ -197,25 +204,51 @@ class LoaderPart:
     def steps_per_epoch(self, batch_size: int) -> int:
         return len(self.sampler) // batch_size
 
-    def batches(self, batch_size: int, epoch: int, seed: int) -> Iterator[Any]:
+    def batches(
+        self, batch_size: int, epoch: int, seed: int, sizes: Callable[[], int] | None = None
+    ) -> Iterator[Any]:
         """Full batches of this epoch's part (``seed``, the wave's own, is not needed: the
-        sampler's order is the job's, so that parts stay disjoint)."""
-        loader = self._loaders.get(batch_size)
+        sampler's order is the job's, so that parts stay disjoint); with ``sizes``, of as many
+        samples as it says (asked as the loader takes its next batch's indices: with loader
+        workers, a few batches ahead)."""
+        key = -1 if sizes is not None else batch_size
+        loader = self._loaders.get(key)
         if loader is None:
             workers = self.settings.workers
+            batching = (
+                {"batch_sampler": SizedBatches(self.sampler, sizes)}
+                if sizes is not None
+                else {"batch_size": batch_size, "sampler": self.sampler, "drop_last": True}
+            )
             loader = tud.DataLoader(
                 self.data,
-                batch_size=batch_size,
-                sampler=self.sampler,
-                drop_last=True,
+                **batching,
                 num_workers=workers,
                 pin_memory=self.settings.pin_memory,
                 collate_fn=self.settings.collate(),
                 persistent_workers=workers > 0,
             )
-            self._loaders[batch_size] = loader
+            self._loaders[key] = loader
         self.sampler.set_epoch(epoch)
         yield from read_batches(loader, self.settings)
+
+
+class SizedBatches:
+    """A ``DataLoader``'s batch sampler whose batches take ``sizes()`` indices each, in the
+    sampler's order (the last partial one dropped)."""
+
+    def __init__(self, sampler: tud.Sampler, sizes: Callable[[], int]):
+        self.sampler, self.sizes = sampler, sizes
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = list(self.sampler)
+        start = 0
+        while True:
+            size = self.sizes()
+            if start + size > len(order):
+                return
+            yield order[start : start + size]
+            start += size
 
 
 class DataError(ValueError):

@@ -97,8 +97,12 @@ class PushRequest(Body):
     # zeros travel in their place, and the shard leaves them out of the update, as torch's
     # optimizers skip a parameter whose .grad is None (no weight decay, no momentum step)
     absent: list[int] = field(default_factory=list)
+    samples: int = 0  # samples of this step's batch (a synchronous sum weighs by them)
+    compute_s: float = 0.0  # the wave's last forward and backward, in seconds (its speed)
 
     def __post_init__(self) -> None:
+        if self.samples < 0 or not self.compute_s >= 0:
+            raise ValueError("samples and compute_s must be >= 0")
         if self.skip and self.shm:
             raise ValueError("a skipped step carries no gradients, in frames or a segment")
         if self.skip and self.absent:
@@ -243,6 +247,7 @@ class WeightsReply(Body):
     # of the shard's chunks (header.keys) in the shard's order: the model's, forward first.
     part: int = 0
     parts: int = 1
+    batch: int = 0  # the batch this wave should take next (balanced batches; 0: unchanged)
 
     def __post_init__(self) -> None:
         if not 0 <= self.part < self.parts:

@@ -391,7 +391,15 @@ class ShardService:
             self.shard.check_push(h.keys, tensors)  # frames or a segment: validated alike
             self.shard.check_absent(body.absent)
             action, lr_scale = self.updates.push(
-                wave, clock, tau, tensors, body.absent, body.lr_scale, self.stats[wave]
+                wave,
+                clock,
+                tau,
+                tensors,
+                body.absent,
+                body.lr_scale,
+                self.stats[wave],
+                body.samples,
+                body.compute_s,
             )
             self.stats[wave].record_push(tau)
         self.clocks.advance(wave)
@@ -487,6 +495,7 @@ class ShardService:
             slowest_clock=-1 if slowest is None else slowest,
             action=action,
             shm=shm,
+            batch=self.updates.batch_for(wave) if wave is not None else 0,
         )
         if wave is not None:
             self.stats[wave].record_read(clock, self.shard.version)

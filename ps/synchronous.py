@@ -25,7 +25,9 @@ tock's update c - 1 lands, tock c after tick's update c - 1). Wave turns shift b
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -35,7 +37,11 @@ from wavelet.ps.staleness import ClockTable, WaveId
 
 class SyncSum:
     """The open clock of one group: the sum of its gradients and their count. A wave that
-    skipped its step (fp16 overflow) counts as having pushed the clock, with nothing to add."""
+    skipped its step (fp16 overflow) counts as having pushed the clock, with nothing to add.
+
+    Each gradient weighs its push's samples: while every push of the clock carries as many
+    (equal batches), the sum is the plain mean, as before; once batches differ (balanced
+    batches, ``ps/balance.py``), it is the mean over all the clock's samples."""
 
     def __init__(self) -> None:
         self._sum: dict[int, torch.Tensor] | None = None
@@ -43,21 +49,43 @@ class SyncSum:
         self.clock = -1
         self.count = 0
         self._lr_sum = 0.0
+        self._weight0 = 0  # the first push's samples
+        self._weights = 0  # all pushes' samples
+        self._weighted = False  # the sum holds sum(samples * gradient): batches differed
+        self.opened_at = 0.0  # monotonic time of the clock's first push
+        self.arrived: list[float] = []  # monotonic times of its on-time pushes
 
-    def add(self, clock: int, grads: dict[int, torch.Tensor] | None, lr_scale: float) -> None:
+    def add(
+        self,
+        clock: int,
+        grads: dict[int, torch.Tensor] | None,
+        lr_scale: float,
+        samples: int = 1,
+        on_time: bool = True,
+    ) -> None:
+        now = time.monotonic()
         if not self.open:
-            self.open, self.clock = True, clock
+            self.open, self.clock, self.opened_at, self.arrived = True, clock, now, []
+        if on_time:
+            self.arrived.append(now)
         if grads is None:
             return
+        samples = max(1, samples)
         if self._sum is None:
-            self._sum = {}
+            self._sum, self._weight0 = {}, samples
+        elif samples != self._weight0 and not self._weighted:
+            for t in self._sum.values():  # from a plain sum to a sum over samples
+                t.mul_(self._weight0)
+            self._weighted = True
         for k, g in grads.items():
+            g = g * samples if self._weighted else g
             if k in self._sum:
                 self._sum[k].add_(g)
             else:  # the first gradient of k this clock; cloned: the gradients live in the
                 # request's frames, released after the reply
                 self._sum[k] = g.clone()
         self.count += 1
+        self._weights += samples
         self._lr_sum += lr_scale
 
     def mean(self) -> tuple[dict[int, torch.Tensor], float, int] | None:
@@ -68,21 +96,44 @@ class SyncSum:
         assert self.open
         out = None
         if self._sum is not None:
-            grads = {k: s.div_(self.count) for k, s in self._sum.items()}
+            total = self._weights if self._weighted else self.count
+            grads = {k: s.div_(total) for k, s in self._sum.items()}
             out = grads, self._lr_sum / self.count, self.count
         self._sum, self.open, self.count, self._lr_sum = None, False, 0, 0.0
+        self._weights, self._weighted = 0, False
         return out
 
 
 class SyncGroups:
     """The open sums of every group; ``by_wave_index``: a group per local wave index (wave
     groups), else one group of all waves (bulk-synchronous); ``turn_delay``: how many of the
-    other groups' updates a group's read may be behind (1: wave groups, 0: wave turns)."""
+    other groups' updates a group's read may be behind (1: wave groups, 0: wave turns).
 
-    def __init__(self, by_wave_index: bool, turn_delay: int = 1):
+    ``quorum`` (k of n, one group of all waves): a step also closes once ``quorum(n)`` of its n
+    live waves pushed it and the rest are late: not in within ``LATE_FACTOR`` of a recent
+    step's time after the k-th (so that with every wave on time it is bulk-synchronous). A
+    late push, for a step that closed without it, is folded into the open step (``late =
+    "fold"``: counted in its mean, with its staleness) or dropped (``"drop"``)."""
+
+    LATE_FACTOR = 0.25
+    MIN_GRACE_S = 0.02
+
+    def __init__(
+        self,
+        by_wave_index: bool,
+        turn_delay: int = 1,
+        quorum: Callable[[int], int] | None = None,
+        late: str = "fold",
+    ):
         self.by_wave_index = by_wave_index
         self.turn_delay = turn_delay
         self.sums: dict[Hashable, SyncSum] = {}
+        self.quorum = quorum
+        self.late = late
+        self.closed_clock = -1  # k of n: the newest step closed
+        self.step_s: deque[float] = deque(maxlen=16)  # k of n: how long recent steps took
+        self.late_pushes = 0
+        self.dropped = 0
 
     def group_of(self, wave: WaveId) -> Hashable:
         return wave[1] if self.by_wave_index else "all"
@@ -90,9 +141,19 @@ class SyncGroups:
     def _sum(self, wave: WaveId) -> SyncSum:
         return self.sums.setdefault(self.group_of(wave), SyncSum())
 
-    def check_push(self, wave: WaveId, clock: int) -> None:
-        """A group's pushes come clock by clock: refuse one for another clock than the open."""
+    def is_late(self, wave: WaveId, clock: int) -> bool:
+        """k of n: ``clock``'s step closed without this push."""
+        if self.quorum is None:
+            return False
         s = self._sum(wave)
+        return clock < s.clock if s.open else clock <= self.closed_clock
+
+    def check_push(self, wave: WaveId, clock: int) -> None:
+        """A group's pushes come clock by clock: refuse one for another clock than the open
+        (k of n takes a late one)."""
+        s = self._sum(wave)
+        if self.is_late(wave, clock):
+            return
         if s.open and clock != s.clock:
             raise ProtocolError(
                 ErrorCode.STALE_CLOCK,
@@ -101,9 +162,24 @@ class SyncGroups:
             )
 
     def add(
-        self, wave: WaveId, clock: int, grads: dict[int, torch.Tensor] | None, lr: float
-    ) -> None:
-        self._sum(wave).add(clock, grads, lr)
+        self,
+        wave: WaveId,
+        clock: int,
+        grads: dict[int, torch.Tensor] | None,
+        lr: float,
+        samples: int = 1,
+    ) -> str:
+        """Add a push to its group's sum; what became of it (accumulated, folded, dropped)."""
+        s = self._sum(wave)
+        if not self.is_late(wave, clock):
+            s.add(clock, grads, lr, samples)
+            return "accumulated"
+        self.late_pushes += 1
+        if self.late == "drop":
+            self.dropped += 1
+            return "dropped"
+        s.add(s.clock if s.open else self.closed_clock + 1, grads, lr, samples, on_time=False)
+        return "folded"
 
     def holds_back(self, wave: WaveId, clock: int) -> bool:
         """``wave`` may not read for ``clock`` yet: its group's update of an earlier clock is
@@ -122,6 +198,17 @@ class SyncGroups:
                 return False
         return True
 
+    def _quorum_met(self, s: SyncSum, live: int) -> bool:
+        """k of n: k waves pushed the step and the others had their grace."""
+        if self.quorum is None:
+            return False
+        k = min(max(1, self.quorum(live)), live)
+        if len(s.arrived) < k:
+            return False
+        recent = sorted(self.step_s)[len(self.step_s) // 2] if self.step_s else 0.0
+        grace = max(self.MIN_GRACE_S, self.LATE_FACTOR * recent)
+        return time.monotonic() - s.arrived[k - 1] >= grace
+
     def complete(self, clocks: ClockTable) -> list[tuple[dict[int, torch.Tensor], float, int]]:
         """Close every sum whose group's live waves have all pushed its clock; their means,
         in group order."""
@@ -131,8 +218,11 @@ class SyncGroups:
             if not s.open:
                 continue
             members = [clocks.clocks[w] for w in clocks.live if self.group_of(w) == group]
-            if members and min(members) <= s.clock:
+            if members and min(members) <= s.clock and not self._quorum_met(s, len(members)):
                 continue  # a live wave of the group has not pushed this clock yet
+            if self.quorum is not None:
+                self.closed_clock = s.clock
+                self.step_s.append(time.monotonic() - s.opened_at)
             mean = s.mean()
             if mean is not None:
                 out.append(mean)

@@ -20,10 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 
-from wavelet.common.config import GROUPED_UPDATES, JobConfig, OptimizerConfig
+from wavelet.common.config import (
+    BOUNDLESS_UPDATES,
+    GROUPED_UPDATES,
+    JobConfig,
+    OptimizerConfig,
+)
+from wavelet.ps.balance import BatchBalancer
 from wavelet.ps.policy import make_policy
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import ClockTable, StalenessBound, WaveId, WaveStats
@@ -42,7 +49,7 @@ def update_lr_factor(rule: str, gradients: int, waves: int) -> float:
 def update_streams(job: JobConfig, expect_waves: int) -> int:
     """How many streams of updates run asynchronously on a shard: every wave (async), the wave
     groups (one per local wave index) or one (bulk-synchronous)."""
-    if job.staleness == 0:
+    if job.staleness == 0 or job.updates == "k-of-n":
         return 1
     if job.updates == "wave-groups":
         return job.waves
@@ -85,20 +92,35 @@ class Updates:
         self.rule = job.updates
         self.bound = StalenessBound(job.staleness)
         self.policy = make_policy(job.stale_policy, job.drop_limit, job.dc_lambda)
-        # one update per push (async), per clock of all waves (s = 0) or of each wave group
-        self.synchronous = job.staleness == 0 or job.updates in GROUPED_UPDATES
+        # one update per push (async), per clock of all waves (s = 0, k of n) or of each
+        # wave group
+        self.synchronous = job.staleness == 0 or job.updates in BOUNDLESS_UPDATES
+        quorum = None
+        if job.updates == "k-of-n":
+            self.bound = StalenessBound(math.inf)  # the quorum, not the slowest, sets the pace
+            k = job.sync_quorum
+            quorum = (lambda live: k) if k else (lambda live: (live + 1) // 2)
         self.sync = SyncGroups(
             by_wave_index=job.updates in GROUPED_UPDATES,
             turn_delay=0 if job.updates == "wave-turns" else 1,
+            quorum=quorum,
+            late=job.late_pushes,
         )
+        balance = job.balance_batches if self.synchronous else "off"
+        self.balancer = BatchBalancer(balance, job.batch_size, self.sync.group_of)
 
     def describe(self) -> str:
         """The rule in a few words, as ``wavelet stats`` shows it."""
         if self.rule in GROUPED_UPDATES:
-            return self.rule.replace("-", " ")  # their turn order is the bound
-        if self.bound.s == 0:
-            return "bulk-synchronous (staleness bound 0)"
-        return f"staleness bound {self.bound.s}"
+            rule = self.rule.replace("-", " ")  # their turn order is the bound
+        elif self.rule == "k-of-n":
+            rule = f"k of n ({self.sync.late_pushes} late pushes, {self.sync.late} them)"
+        elif self.bound.s == 0:
+            rule = "bulk-synchronous (staleness bound 0)"
+        else:
+            rule = f"staleness bound {self.bound.s}"
+        balance = self.balancer.describe()
+        return f"{rule}, {balance}" if balance else rule
 
     def check_push(self, wave: WaveId, clock: int) -> None:
         """Refuse a push out of the synchronous order (before anything changes)."""
@@ -114,16 +136,23 @@ class Updates:
         absent: list[int],
         lr_scale: float,
         stats: WaveStats,
+        samples: int = 0,
+        compute_s: float = 0.0,
     ) -> tuple[str, float]:
         """Apply a validated push now (asynchronous: as the policy decides) or add it to its
         group's open sum; returns what was done and the learning-rate factor used. ``absent``:
-        chunks the push has no gradient for, left out of the update."""
+        chunks the push has no gradient for, left out of the update; ``samples`` and
+        ``compute_s``: its batch and how long the wave computed it (balanced batches)."""
         grads = self.shard.gradients(tensors, absent)
         self.shard.store_buffers(wave, tensors)
+        self.balancer.record(wave, samples, compute_s)
         if self.synchronous:
-            # The gradients of one clock of a group read the same version: average them.
-            self.sync.add(wave, clock, grads, lr_scale)
-            return "accumulated", lr_scale
+            # The gradients of one clock of a group read the same version: average them (over
+            # their samples, where batches differ).
+            action = self.sync.add(wave, clock, grads, lr_scale, samples or 1)
+            if action == "dropped":
+                stats.dropped += 1
+            return action, lr_scale
         decision = self.policy.decide(wave, tau, grads, self.shard.params)
         if decision.grads is None:
             stats.dropped += 1
@@ -160,6 +189,11 @@ class Updates:
 
     def forget(self, wave: WaveId) -> None:
         self.policy.forget(wave)
+        self.balancer.forget(wave)
+
+    def batch_for(self, wave: WaveId) -> int:
+        """The batch ``wave`` should take next (balanced batches; 0: the job's)."""
+        return self.balancer.batch_for(wave, self.clocks.live)
 
     def committed_clocks(self, clocks: dict[WaveId, int]) -> dict[WaveId, int]:
         """``clocks`` less the pushes still in an open synchronous sum (applied in no update

@@ -317,7 +317,7 @@ def _worker(config: RunConfig, role: Role, layout: Layout, store) -> int:
         num_workers=layout.workers,
         run_dir=run_dir,
         core_budget=cores,
-        resume=role.restart > 0,
+        resume=role.restart > 0 or config.resume,
         transport=config.transport,
         curve_secret=str(keys.client_secret(CURVE_CLIENT)) if keys else "",
         curve_server_key=str(keys.server_public) if keys else "",
@@ -407,7 +407,8 @@ def _allreduce_rank(config: RunConfig, role: Role) -> NoReturn:
         run_dir=run_dir,
         mode="allreduce",
         checkpoint_every_s=config.checkpoint_every_s,
-        resume=role.restart > 0,  # torchrun restarted the group: go on from rank 0's checkpoint
+        # torchrun restarted the group, or a new one goes on: from rank 0's checkpoint
+        resume=role.restart > 0 or config.resume,
     )
     started = time.time()
     code = run_rank(AllReduceWorker(rank_config))

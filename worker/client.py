@@ -100,6 +100,10 @@ class PSClient:
         # when the wave's training budget ends (monotonic; None: no budget): a wait for the
         # shards past it ends the wave (BudgetSpent) instead of outliving --max-seconds
         self.budget_ends: float | None = None
+        # what each push tells of its step: its batch's samples, and the wave's last forward
+        # and backward in seconds (a synchronous sum weighs by the first, balancing uses both)
+        self.step_samples = 0
+        self.step_compute_s = 0.0
         self.transport = transport
         self.tcp_reasons: dict[str, str] = {}  # shard address -> why it is reached over TCP
 
@@ -210,6 +214,8 @@ class PSClient:
             skip=skip,
             part_bytes=self.part_bytes,
             absent=[] if skip else self.data.without_gradient(shard),
+            samples=self.step_samples,
+            compute_s=self.step_compute_s,
         )
         h = self._header(
             Op.PUSH_PULL,

@@ -31,6 +31,7 @@ class PullResult:
     parked_s: float  # longest time a shard held the pull back for the staleness bound
     dropped: int = 0  # shards that dropped the gradient pushed with this pull (drop policy)
     slowest_clock: list[int] = field(default_factory=list)  # per shard, when it served the read
+    batch: int = 0  # the batch the shards ask the wave to take next (0: unchanged)
 
 
 @dataclass
@@ -112,6 +113,7 @@ class PullParts:
                 parked_s=max(b.parked_s for b in bodies),
                 dropped=sum(b.action == "dropped" for b in bodies),
                 slowest_clock=[b.slowest_clock for b in bodies],
+                batch=bodies[0].batch,  # one shard decides, so that every reply agrees
             )
         return self._result
 

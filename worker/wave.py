@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from wavelet.common.batches import batch_samples, to_device
+from wavelet.common.config import BOUNDLESS_UPDATES
 from wavelet.common.daemon_config import WorkerConfig
 from wavelet.common.datasets import Dataset, LoaderDataset
 from wavelet.common.evaluation import load_evaluation
@@ -91,6 +92,11 @@ class Wave:
         )
         self.keys = client_keys(config)
         self.error: BaseException | None = None
+        # balanced batches (synchronous rules): the batch size changes as the shards ask
+        job = self.job
+        synchronous = job.staleness == 0 or job.updates in BOUNDLESS_UPDATES
+        self.balanced = synchronous and job.balance_batches != "off"
+        self.batch_size = job.batch_size
         name = f"worker-{config.rank}-wave-{ident.local}"
         self.records = RecordWriter(Path(config.run_dir) / "records" / f"{name}.jsonl")
 
@@ -230,7 +236,10 @@ class Wave:
         try:
             for epoch in range(first // steps, job.epochs if job.epochs else 1 << 30):
                 model.train()
-                batches = part.batches(job.batch_size, epoch, job.seed + 7919 * ident.global_index)
+                seed = job.seed + 7919 * ident.global_index
+                # balanced batches: each batch as large as the shards last asked
+                sizes = (lambda: self.batch_size) if self.balanced else None
+                batches = part.batches(job.batch_size, epoch, seed, sizes)
                 for skipped, batch in enumerate(batches):
                     if epoch == first // steps and skipped < first % steps:
                         continue
@@ -284,6 +293,7 @@ class Wave:
         if pending is not None:
             pulled = pending.result()  # all in already: the forward's end waited for the rest
         rec["versions_read"] = pulled.versions
+        client.step_samples = batch_samples(batch)
         push = client.start_push(clock, pulled.versions, lr_scale)
         if self.pusher is not None:
             self.pusher.arm(push.send)  # each shard's push as soon as backward made it
@@ -293,6 +303,7 @@ class Wave:
             if self.pusher is not None:
                 self.pusher.disarm()
         backward_end = time.perf_counter()
+        client.step_compute_s = forward_s + backward_run_s  # told with the next push
         if self.ident.global_index == self.job.slow_wave:  # a straggler, on request
             time.sleep((self.job.slow_factor - 1.0) * (backward_end - t0))
         finite = self.loss_scale.unscale(model)  # fp16: an overflowing step is skipped
@@ -305,6 +316,8 @@ class Wave:
         # a deferred pull's bound and drops are known once it is in: they are recorded with the
         # step it feeds, as the pull this step read
         answered = pulled if isinstance(next_pull, PendingPull) else next_pull
+        if answered.batch:  # balanced batches: the size the shards ask for next
+            self.batch_size = answered.batch
         rec.update(
             t=time.time(),
             loss=float(loss.detach()),

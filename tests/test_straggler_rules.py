@@ -1,0 +1,221 @@
+"""Update rules that do not wait for the slowest: balanced batches keep a step the mean over all
+its samples (one process on the concatenated batch, to 1e-5); k of n with every wave on time is
+bulk-synchronous; a late push is folded or dropped as the policy says. And the CPU caps the
+benchmarks emulate slow nodes with, and their bad input."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import CHILD_ENV
+from helpers import ServiceWave, service_for, tiny_model
+
+from wavelet.common.config import OptimizerConfig
+from wavelet.common.protocol import Op
+from wavelet.common.sharding import chunk_view
+from wavelet.ps.synchronous import SyncGroups
+from wavelet.scripts import throttle
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _batch(seed: int, n: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _gradients(wave: ServiceWave, batch) -> list[torch.Tensor]:
+    """The mean cross-entropy's gradients on ``batch``, chunk by chunk, as a wave pushes them."""
+    model = tiny_model()
+    x, y = batch
+    F.cross_entropy(model(x), y).backward()
+    params = dict(model.named_parameters())
+    return [chunk_view(params[c.name].grad, c).clone() for c in wave.chunks]
+
+
+def _push(wave: ServiceWave, clock: int, grads, samples: int):
+    return wave.send(
+        Op.PUSH,
+        grads,
+        clock=clock,
+        read_version=0,
+        keys=wave.keys,
+        body={"samples": samples, "compute_s": 0.0},
+    )
+
+
+def _shard_values(service) -> list[torch.Tensor]:
+    return [v.clone() for v in service.shard.values()]
+
+
+def test_a_balanced_step_equals_one_process_on_the_concatenated_batch(tmp_path):
+    """Two waves of a bulk-synchronous step with batches of 8 and 24 samples: the update is one
+    optimizer step on the mean loss over all 32, as one process on the whole batch takes."""
+    service = service_for(tmp_path, job={"staleness": 0, "balance_batches": "on"})
+    try:
+        a, b = ServiceWave(service, "w0"), ServiceWave(service, "w1")
+        a.join(), b.join()
+        small, large = _batch(1, 8), _batch(2, 24)
+        _push(a, 0, _gradients(a, small), 8)
+        _push(b, 0, _gradients(b, large), 24)
+        assert service.shard.version == 1
+        got = _shard_values(service)
+    finally:
+        service.close()
+    model = tiny_model()
+    opt = OptimizerConfig().build(list(model.parameters()))
+    x = torch.cat([small[0], large[0]])
+    y = torch.cat([small[1], large[1]])
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    params = dict(model.named_parameters())
+    want = [chunk_view(params[c.name].detach(), c) for c in a.chunks]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
+KOFN = {"updates": "k-of-n", "staleness": 1}  # the default bound: k of n has none of its own
+
+
+@pytest.mark.parametrize("rule", [{**KOFN, "sync_quorum": 1}, {"staleness": 0}])
+def test_with_every_wave_on_time_k_of_n_and_balanced_equal_bulk_synchronous(
+    tmp_path, monkeypatch, rule
+):
+    """Three waves, every one on time (the grace after the quorum is long here): k of n with a
+    quorum of 1, and balanced batches of equal size, give bulk-synchronous training's weights."""
+    monkeypatch.setattr(SyncGroups, "MIN_GRACE_S", 3600.0)
+    batches = [[_batch(10 * w + s, 8) for s in range(3)] for w in range(3)]
+
+    def train(job: dict) -> list[torch.Tensor]:
+        service = service_for(tmp_path / str(len(list(tmp_path.iterdir()))), job=job)
+        try:
+            waves = [ServiceWave(service, f"w{i}") for i in range(3)]
+            for w in waves:
+                w.join()
+            for step in range(3):
+                for i, w in enumerate(waves):
+                    _push(w, step, _gradients(w, batches[i][step]), 8)
+                for w in waves:
+                    w.request(Op.PULL, clock=step + 1)  # read before the next step
+            assert service.shard.version == 3
+            return _shard_values(service)
+        finally:
+            service.close()
+
+    bsp = train({"staleness": 0, "balance_batches": "off"})
+    other = train({**rule, "balance_batches": "on"})
+    for a, b in zip(bsp, other, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("late", ["fold", "drop"])
+def test_a_late_push_under_k_of_n_is_folded_or_dropped(tmp_path, monkeypatch, late):
+    """Quorum 1 and no grace: wave a's push closes step 0 alone. Wave b's push for step 0 comes
+    late: folded, it counts in step 1's mean beside a's push for step 1; dropped, it changes
+    nothing and is counted as dropped."""
+    monkeypatch.setattr(SyncGroups, "MIN_GRACE_S", 0.0)
+    job = {**KOFN, "sync_quorum": 1, "late_pushes": late, "balance_batches": "off"}
+    service = service_for(tmp_path, job=job)
+    try:
+        a, b = ServiceWave(service, "w0"), ServiceWave(service, "w1")
+        a.join(), b.join()
+        _push(a, 0, a_grads := [torch.full_like(t, 1.0) for t in _gradients(a, _batch(1, 4))], 4)
+        service.tick()
+        assert service.shard.version == 1  # closed by a alone
+        after_a = _shard_values(service)
+        out = _push(b, 0, [torch.full_like(t, 3.0) for t in a_grads], 4)
+        assert out == [] or all(o.header.op != Op.ERROR for o in out)
+        assert service.shard.version == 1  # b's late push applies nothing by itself
+        a.request(Op.PULL, clock=1)
+        _push(a, 1, [torch.full_like(t, 1.0) for t in a_grads], 4)
+        service.tick()
+        assert service.shard.version == 2
+        pushes = [r for r in _push_log(tmp_path) if r["worker"] == "w1"]
+        assert pushes[-1]["action"] == ("folded" if late == "fold" else "dropped")
+        waves = service.members.table()
+        assert waves["w1/0"]["dropped"] == (1 if late == "drop" else 0)
+        # step 1's mean: (1 + 3) / 2 = 2 folded, or 1 alone with b's dropped: the second
+        # update moved the weights as far as a gradient of 2 (or 1) would have
+        moved = [
+            (x - y).abs().max().item() for x, y in zip(after_a, _shard_values(service), strict=True)
+        ]
+    finally:
+        service.close()
+    reference = service_for(tmp_path / "ref", job={**job, "sync_quorum": 1})
+    try:
+        r = ServiceWave(reference, "w0")
+        r.join()
+        _push(r, 0, [torch.full_like(t, 1.0) for t in a_grads], 4)
+        reference.tick()
+        before = _shard_values(reference)
+        r.request(Op.PULL, clock=1)
+        value = 2.0 if late == "fold" else 1.0
+        _push(r, 1, [torch.full_like(t, value) for t in a_grads], 4)
+        reference.tick()
+        want = [
+            (x - y).abs().max().item()
+            for x, y in zip(before, _shard_values(reference), strict=True)
+        ]
+    finally:
+        reference.close()
+    assert moved == pytest.approx(want, rel=1e-5)
+
+
+def _push_log(run_dir: Path) -> list[dict]:
+    from wavelet.common.records import read_records
+
+    return list(read_records(run_dir / "records" / "ps-0-pushes.jsonl"))
+
+
+def test_a_cpu_cap_holds_whatever_its_processes_start_and_kills_them_all():
+    why = throttle.why_not()
+    if why:
+        pytest.skip(why)
+    cap = throttle.CpuCap("test", cores=1, pct=30)
+    try:
+        if cap.v2:
+            assert (cap.path / "cpu.max").read_text().split() == ["30000", "100000"]
+        else:
+            assert (cap.path / "cpu.cfs_quota_us").read_text().strip() == "30000"
+        proc = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"])
+        cap.add(proc.pid)
+        # children started after the move are in it too
+        subprocess.run(["sh", "-c", f"kill -0 {proc.pid}"], check=True, timeout=10)
+        cap.set(None)  # lifted
+        if cap.v2:
+            assert (cap.path / "cpu.max").read_text().split()[0] == "max"
+        else:
+            assert (cap.path / "cpu.cfs_quota_us").read_text().strip() == "-1"
+        cap.kill_all()
+        assert proc.wait(10) == -9
+        assert cap.pids() == []
+    finally:
+        cap.close()
+    assert not cap.path.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--slow", "5:50"], "is not one of the 2"),
+        (["--slow", "1:0"], "above 0 and below 100"),
+        (["--slow", "1:150"], "above 0 and below 100"),
+        (["--noisy", "1:10:10"], "expected NODE:ON_S:OFF_S:PCT"),
+        (["--leave", "0@10"], "NODE from 1 to 1"),
+    ],
+)
+def test_bad_caps_and_events_get_one_line_and_status_2(tmp_path, flags, says):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cluster.py"), *flags, "--out", str(tmp_path)],
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr.strip().splitlines()[-1], done.stderr
+    assert not any(tmp_path.iterdir())  # nothing started
