@@ -328,6 +328,11 @@ class JobConfig:
         "while the fastest wave of a step is over 1.3x the slowest)",
         choices=BALANCE_BATCHES,
     )
+    move_slow_shards: bool = setting(
+        True,
+        help="a shard whose node's workers compute over 1.3x slower than the fastest node's "
+        "hands itself to its standby on a faster node (jobs over several nodes, wavelet run)",
+    )
     sync_quorum: int = setting(
         0,
         help="updates = k-of-n: a step closes once this many waves pushed it and the others "

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 TICK_S = 0.1  # how often timers run, however busy the sockets are
 STALL_S = 0.5  # timers this late mean the loop did not run: waves' silence does not count it
 STANDBY_ADDRESS_WAIT_S = 120.0  # for the standby's host to write its address
+GOODBYES_S = 0.3  # a shard handing itself over first takes the leaves already on their way
 
 
 class ShardServer:
@@ -154,6 +155,7 @@ class ShardServer:
                     for e in self.endpoints:
                         e.send_all(e.service.tick(stalled_s=stalled))
                     self._replicate()
+                    self._maybe_move()
                     next_tick = time.monotonic() + TICK_S
         finally:
             self.close()
@@ -274,16 +276,37 @@ class ShardServer:
 
     on_takeover = None  # a callback (shard index, address): wavelet run publishes it
 
+    placement = None  # a SpeedPlacement: whether this shard should move off its node
+
+    def _maybe_move(self) -> None:
+        """A shard on a node measured slow moves to its standby on a faster one, live."""
+        if self.placement is None or self.handed_over or time.monotonic() < self._next_look:
+            return
+        self._next_look = time.monotonic() + 1.0
+        if self.placement.due():
+            log.warning("shard %d: %s", self.config.shard_index, self.placement.why)
+            self.service.checkpoints.log_membership("move", ("shard", 0), self.placement.why)
+            self._hand_over()
+
+    _next_look = 0.0
+
     def _hand_over(self) -> None:
-        """A stopping shard gives its state to its standby, which takes the shard over; the
-        waves that ask meanwhile are told where it went (``moved``)."""
+        """The shard gives its state to its standby, which takes the shard over (it is stopping,
+        or its node is slow); the waves that ask meanwhile are told where it went (``moved``)."""
         r = self.replicator
         if r is None or self.handed_over or self.service.standby is not None:
             return
+        # the goodbyes of a preempted node's workers come with the shard's own stop: take them
+        # first, so that the standby does not wait for waves that left
+        deadline = time.monotonic() + GOODBYES_S
+        while time.monotonic() < deadline:
+            if not self.primary.serve_one():
+                time.sleep(0.01)
         self._replicate()
         if r.hand_over(self.service):
             self.handed_over = True
             self.service.moved_to = r.address
+            self.service.checkpoints.enabled = False  # the standby's from now on
             log.info(
                 "shard %d handed itself to its standby at %s (version %d)",
                 self.config.shard_index,

@@ -28,6 +28,7 @@ STANDBY_OPS = (Op.SEED, Op.REPLICATE, Op.STATS, Op.HEARTBEAT, Op.CHECKPOINT, Op.
 # after a take-over from a lost primary: how long the waves it knew count as live without
 # registering here (the survivors re-join within a second; the lost node's never do)
 REJOIN_GRACE_S = 2.0
+HANDOVER_GRACE_S = 3.0  # after a hand-over: the waves were told where it went (moved)
 
 
 class StandbyRole:
@@ -126,10 +127,11 @@ class StandbyRole:
     def promote(self, why: str) -> None:
         self.promoted = True
         service = self.service
-        # A handed-over shard's waves are all alive and on their way: each keeps its lease. After
-        # a loss, those of the lost node would hold the others back: a short grace to re-join.
+        # The waves the primary knew hold the others back until they register here: a short
+        # grace to do so (the survivors come within a second; a lost node's never do).
         timeout = service.config.job.wave_timeout_s
-        lease = timeout if self.handed_over else min(REJOIN_GRACE_S, timeout)
+        grace = HANDOVER_GRACE_S if self.handed_over else REJOIN_GRACE_S
+        lease = min(grace, timeout)
         service.took_over(self.clocks, lease)
         log.warning(
             "standby of shard %d takes the shard over (%s) at version %d%s",

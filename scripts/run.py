@@ -245,6 +245,16 @@ def _shard(config: RunConfig, role: Role, layout: Layout, index: int, store) -> 
         server.set_standby_address(store.get(own).decode())
         # a standby that takes its shard over is where that shard is looked up from then on
         server.on_takeover = lambda shard, address: store.set(_key(role, f"shard/{shard}"), address)
+        if config.job.move_slow_shards and layout.nodes > 1:
+            from wavelet.ps.placement import SpeedPlacement
+
+            standby_of_mine = (index + 1) % layout.shards  # hosts this shard's standby
+            server.placement = SpeedPlacement(
+                server.service,
+                own_node=role.node,
+                standby_node=standby_of_mine // layout.shards_per_node,
+                node_of_worker=lambda rank: rank // layout.workers_per_node,
+            )
     store.set(_key(role, f"shard/{index}"), server.address)
     # as the launcher's shards do: where to point wavelet stats, or a worker that joins
     (Path(config.run_dir) / f"ps-{index}.addr").write_text(server.address)

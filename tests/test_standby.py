@@ -85,7 +85,10 @@ def test_a_stopped_shard_hands_itself_over_and_bsp_loses_nothing(shard_daemons):
 
         def wave(i):
             before = stop if i == 0 else None
-            results[i] = _train(addresses, STEPS, models[i], worker=f"w{i}", before=before)
+            try:
+                results[i] = _train(addresses, STEPS, models[i], worker=f"w{i}", before=before)
+            except Exception as e:  # for the assertion below to show
+                results[i] = e
 
         threads = [threading.Thread(target=wave, args=(i,), daemon=True) for i in range(2)]
         for t in threads:
@@ -93,6 +96,8 @@ def test_a_stopped_shard_hands_itself_over_and_bsp_loses_nothing(shard_daemons):
         for t in threads:
             t.join(4 * TIMEOUT_S)
         assert all(not t.is_alive() for t in threads), "a wave hung"
+        failed = [r for r in results.values() if isinstance(r, Exception)]
+        assert not failed, failed
         return models, results
 
     reference = shard_daemons(job, count=2, expect_waves=2)

@@ -219,3 +219,27 @@ def test_bad_caps_and_events_get_one_line_and_status_2(tmp_path, flags, says):
     assert done.returncode == 2, done.stderr
     assert says in done.stderr.strip().splitlines()[-1], done.stderr
     assert not any(tmp_path.iterdir())  # nothing started
+
+
+def test_a_shard_on_a_node_measured_slow_moves_to_its_standbys_faster_node(tmp_path):
+    """Node 1's workers compute at half node 0's speed (their pushes say so): shard 1, on
+    node 1 with its standby on node 0, should move; shard 0 (node 0) should not; nor should
+    anything move before every node has been measured."""
+    from wavelet.ps.placement import SpeedPlacement
+
+    service = service_for(tmp_path, job={"staleness": 0})
+    try:
+        placement = {
+            node: SpeedPlacement(service, node, 1 - node, node_of_worker=lambda r: r)
+            for node in (0, 1)
+        }
+        balancer = service.updates.balancer
+        for _ in range(3):
+            balancer.record(("w0", 0), 32, 0.1)  # 320 samples/s
+        assert not placement[1].due()  # node 1 not measured yet
+        for _ in range(3):
+            balancer.record(("w1", 0), 32, 0.2)  # 160 samples/s
+        assert placement[1].due() and "2.0x slower" in placement[1].why
+        assert not placement[0].due()
+    finally:
+        service.close()

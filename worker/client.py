@@ -258,6 +258,8 @@ class PSClient:
         while waiting and time.monotonic() < deadline:
             for sock, _ in self.links.poller.poll(50):
                 monitor, i = self.links.which(sock)
+                if i < 0:
+                    continue
                 if monitor:
                     self.links.take_event(i)
                     continue
@@ -382,6 +384,8 @@ class PSClient:
             # what the same poll found ready on another (its reply, its connection events).
             for sock, _ in self.links.poller.poll(wait_s * 1000):
                 monitor, i = self.links.which(sock)
+                if i < 0:
+                    continue  # closed since the poll: its link moved
                 if monitor:
                     self._on_monitor_event(sock)
                     continue
@@ -497,7 +501,9 @@ class PSClient:
                 self._on_monitor_event(link.monitor)
 
     def _on_monitor_event(self, mon: zmq.Socket) -> None:
-        self.links.take_event(self.links.which(mon)[1])
+        i = self.links.which(mon)[1]
+        if i >= 0:
+            self.links.take_event(i)
 
     def _rejoin(self, i: int, recover) -> tuple[Header, list[torch.Tensor]]:
         # The reconnection that brought us here was reported before its first reply came: take

@@ -93,8 +93,9 @@ class ShardLinks:
         self._index[link.monitor] = (True, i)
 
     def which(self, sock: zmq.Socket) -> tuple[bool, int]:
-        """(is it a monitor, the shard's index) of a socket the poller found ready."""
-        return self._index[sock]
+        """(is it a monitor, the shard's index) of a socket the poller found ready; index -1
+        for one closed since (its link moved while the same poll's other sockets were read)."""
+        return self._index.get(sock, (False, -1))
 
     def take_event(self, i: int) -> None:
         """Read one event of link ``i``'s monitor, if one is there, and note what it says."""

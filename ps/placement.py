@@ -1,0 +1,59 @@
+"""Shards away from slow nodes: a shard whose node computes well below the fastest node (its
+workers' measured speed, as the balancer keeps it: ``ps/balance.py``) hands itself to its
+standby on a faster node, live, losing no update (the hand-over of ``ps/server.py``). A shard
+shares its node's CPU with that node's worker; under a cap (a co-tenant, a throttled VM) every
+wave's push to it would wait for the cap, the fast nodes' too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+SLOW_FACTOR = 1.3  # a node this much slower than the fastest gives its shards away
+
+
+class SpeedPlacement:
+    def __init__(
+        self,
+        service,
+        own_node: int,
+        standby_node: int,
+        node_of_worker: Callable[[int], int],
+        factor: float = SLOW_FACTOR,
+    ):
+        self.service = service
+        self.own_node = own_node
+        self.standby_node = standby_node
+        self.node_of_worker = node_of_worker
+        self.factor = factor
+        self.why = ""
+
+    def node_speeds(self) -> dict[int, float]:
+        """Each node's workers' mean samples per second of compute, from their pushes."""
+        balancer = self.service.updates.balancer
+        per_node: dict[int, list[float]] = {}
+        for (worker, _), speed in balancer.speed.items():
+            if worker[:1] == "w" and worker[1:].isdigit() and balancer.seen[(worker, _)] >= 3:
+                per_node.setdefault(self.node_of_worker(int(worker[1:])), []).append(speed)
+        return {node: sum(s) / len(s) for node, s in per_node.items()}
+
+    def due(self) -> bool:
+        """Whether this shard should move to its standby now (its node is slow, the standby's
+        is not)."""
+        if self.own_node == self.standby_node:
+            return False
+        speeds = self.node_speeds()
+        mine, theirs = speeds.get(self.own_node), speeds.get(self.standby_node)
+        if mine is None or theirs is None or not speeds:
+            return False
+        fastest = max(speeds.values())
+        if mine * self.factor < fastest and theirs * self.factor >= fastest:
+            self.why = (
+                f"its node computes {fastest / mine:.1f}x slower than the fastest (its workers' "
+                f"{mine:.0f} samples/s against {fastest:.0f}): it moves to its standby's node"
+            )
+            return True
+        return False
