@@ -292,11 +292,13 @@ def _wait_nodes(nodes: dict[int, subprocess.Popen], run_dir: Path, deadline: flo
     node runs now (a restart replaces them). A node 0 done with its job but held in torchrun's
     exit barrier by a lost node counts as done (0)."""
     codes: dict[int, int | None] = {}
-    done_at = None
+    done_at, cut = None, False
     while time.monotonic() < deadline and len(codes) < len(nodes):
         time.sleep(0.5)
         for n, proc in list(nodes.items()):
             code = proc.poll()
+            if n == 0 and cut:
+                continue  # counted as done when its exit barrier was cut
             if code is not None and nodes[n] is proc:  # not replaced meanwhile
                 codes[n] = code
             elif code is None:
@@ -307,7 +309,7 @@ def _wait_nodes(nodes: dict[int, subprocess.Popen], run_dir: Path, deadline: flo
                 print("   node 0 done; its torchrun waits at its exit barrier: cut", flush=True)
                 os.killpg(nodes[0].pid, signal.SIGKILL)
                 nodes[0].wait(10)
-                codes[0] = 0
+                codes[0], cut = 0, True
     return [codes.get(n) for n in sorted(nodes)]
 
 

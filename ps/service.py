@@ -140,7 +140,7 @@ class ShardService:
             body = request_body(header)
             if self.standby is not None:
                 self.standby.admit(header.op)  # serves nobody until it takes the shard over
-            if self.moved_to and header.op not in (Op.STATS, Op.HEARTBEAT):
+            if self.moved_to and header.op not in (Op.STATS, Op.HEARTBEAT, Op.SHUTDOWN):
                 raise ProtocolError(ErrorCode.MOVED, f"the shard moved to {self.moved_to}")
             reply = self._handlers[header.op](peer, header, body, tensors)
         except ProtocolError as e:

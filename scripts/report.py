@@ -35,6 +35,7 @@ def summarize(
     job_wide: dict | None = None,
     stop_shards: bool = True,
     throughput_of: str = "this machine's workers",
+    also_stop: list[str] = (),
 ) -> dict:
     """The end of a job: with shards, test their weights, fetch their statistics and stop them
     (unless not ``stop_shards``); then write and return summary.json (accuracy, samples/s, lost
@@ -49,6 +50,14 @@ def summarize(
         membership = merge_membership(shard_stats)
         for a in addresses if stop_shards else ():
             call_shard(a, Op.SHUTDOWN, keys=keys, body=AdminRequest(token=admin_token).to_wire())
+        # the processes whose shard moved to a standby still run (they host standbys): their
+        # own addresses, where one still answers
+        for a in [a for a in also_stop if a not in addresses] if stop_shards else ():
+            try:
+                body = AdminRequest(token=admin_token).to_wire()
+                call_shard(a, Op.SHUTDOWN, timeout_s=2.0, keys=keys, body=body)
+            except ShardError:
+                pass  # gone with its node
         staleness = push_staleness(run_dir)  # the shards' records, where they share the run dir
         if staleness:
             staleness_histograms(staleness, run_dir / "staleness.png")

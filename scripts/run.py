@@ -256,6 +256,7 @@ def _shard(config: RunConfig, role: Role, layout: Layout, index: int, store) -> 
                 node_of_worker=lambda rank: rank // layout.workers_per_node,
             )
     store.set(_key(role, f"shard/{index}"), server.address)
+    store.set(_key(role, f"process/{index}"), server.address)  # kept where a standby takes over
     # as the launcher's shards do: where to point wavelet stats, or a worker that joins
     (Path(config.run_dir) / f"ps-{index}.addr").write_text(server.address)
     # where every shard is now, for a worker that joins the job (wavelet worker --join)
@@ -391,6 +392,7 @@ def _report_while(daemon, job, role, layout, store, addresses, run_dir, started,
         job_wide=job_throughput(
             store, [_key(role, f"throughput/{r}") for r in finished], lost=len(gone)
         ),
+        also_stop=[store.get(_key(role, f"process/{i}")).decode() for i in range(layout.shards)],
     )
     print("\n" + format_summary(summary), flush=True)
     return 0
