@@ -128,6 +128,13 @@ MODES = {
         ("--shards-per-node", "1", "--staleness", "0"),
         lr_factor=2.0,
     ),
+    "ticktock-kofn": Mode(
+        "PS, k of n: a step of all waves closes once half of them pushed it; late pushes are "
+        "folded into the next step (the lr times 2, as bsp)",
+        2,
+        ("--shards-per-node", "1", "--updates", "k-of-n"),
+        lr_factor=2.0,
+    ),
     "single": Mode(
         "PS: 1 shard + 1 worker of 1 wave per node", 2, ("--shards-per-node", "1", "--waves", "1")
     ),

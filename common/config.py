@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from wavelet.common.settings import (
     MiB,
     check_settings,
     default_of,
+    keyword_checked,
     non_negative,
     positive,
     setting,
@@ -83,6 +84,7 @@ BUILTIN_MODELS = ("mlp", "digits_cnn", "resnet18")
 BUILTIN_DATASETS = ("digits", "synthetic", "patterns")
 
 
+@keyword_checked
 @dataclass
 class OptimizerConfig:
     """A ``torch.optim`` optimizer by name (case-insensitive) with its keyword arguments."""
@@ -192,9 +194,19 @@ class _ArgumentsOnly(torch.optim.Optimizer):
         self.state = collections.defaultdict(dict)
 
 
+@keyword_checked
 @dataclass
 class JobConfig:
-    """One training job, as every shard and worker sees it."""
+    """One training job, as every shard and worker sees it.
+
+    From Python, the common case reads like the command line::
+
+        job = wavelet.JobConfig(model="digits_cnn", lr=0.05, optimizer="adamw", waves=2,
+                                staleness=1, epochs=3)
+
+    ``optimizer`` takes a name, a table (``{"name": "sgd", "lr": 0.1, "kwargs": {...}}``) or an
+    ``OptimizerConfig``; ``lr`` sets its learning rate. Every value is checked here, with the
+    same one-line ``ConfigError`` as the command line gives."""
 
     model: str = setting(
         "digits_cnn",
@@ -416,7 +428,14 @@ class JobConfig:
     slow_wave: int = setting(-1, help="experiments: this wave (job-wide index) is a straggler")
     slow_factor: float = setting(1.0, help="experiments: the straggler's slowdown factor")
 
-    def __post_init__(self) -> None:
+    # the learning rate, given flat (``JobConfig(lr=0.05)``, a top-level ``lr`` in a file): it
+    # is the optimizer's, where it is kept
+    lr: InitVar[float | None] = None
+
+    def __post_init__(self, lr: float | None = None) -> None:
+        self.optimizer = _optimizer_of(self.optimizer)
+        if lr is not None:
+            self.optimizer = dataclasses.replace(self.optimizer, lr=lr)
         # from Python, the job's parts may be the callables themselves (wavelet.JobConfig)
         for name in ("model", "dataset", "step", "evaluate"):
             value = getattr(self, name)
@@ -482,6 +501,22 @@ class JobConfig:
     @property
     def chunk_bytes(self) -> int:
         return max(1, int(self.chunk_mib * MiB))
+
+
+def _optimizer_of(value: Any) -> OptimizerConfig:
+    """``JobConfig(optimizer=...)``: a name, a table or an OptimizerConfig."""
+    from wavelet.common.settings import from_dict
+
+    if isinstance(value, OptimizerConfig):
+        return value
+    if isinstance(value, str):
+        return OptimizerConfig(name=value)
+    if isinstance(value, dict):
+        return from_dict(OptimizerConfig, value, "optimizer.")
+    raise ConfigError(
+        f"optimizer must be a name (sgd, adamw, ...), a table or an OptimizerConfig, got "
+        f"{type(value).__name__}"
+    )
 
 
 def launch_updates(

@@ -18,6 +18,7 @@ from wavelet.common.settings import (
     check_device,
     check_metrics_port,
     check_settings,
+    keyword_checked,
     non_negative,
     positive,
     setting,
@@ -40,6 +41,7 @@ DAEMON_METRICS_PORT_HELP = (
 )
 
 
+@keyword_checked
 @dataclass
 class PSConfig:
     """One parameter-server shard daemon."""
@@ -177,6 +179,7 @@ class PSConfig:
         return str(Path(self.run_dir) / "admin.token") if self.run_dir else ""
 
 
+@keyword_checked
 @dataclass
 class WorkerConfig:
     """One worker daemon: the waves of one device."""
@@ -291,6 +294,7 @@ class WorkerConfig:
             raise ConfigError("CURVE needs both --curve-secret and --curve-server-key")
 
 
+@keyword_checked
 @dataclass
 class LaunchConfig:
     """A whole job on this machine: the shards and one worker per device."""
@@ -377,6 +381,7 @@ class LaunchConfig:
         )
 
 
+@keyword_checked
 @dataclass
 class RunConfig:
     """One process of a job torchrun started (``wavelet run``): the same on every node; the

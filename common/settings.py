@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import tomllib
+import types
 import typing
 from dataclasses import field
 from pathlib import Path
@@ -180,28 +181,98 @@ def check_device(device: str) -> None:
 # --- building configs from dictionaries (TOML files, --set overrides) ----------------------------
 
 
+def init_names(cls: type) -> set[str]:
+    """What ``cls(...)`` takes by keyword: its fields and its init-only values (``lr``)."""
+    return set(cls.__dataclass_fields__)
+
+
+# torch.optim arguments a user may give where the optimizer's kwargs table belongs
+OPTIMIZER_ARGUMENTS = ("momentum", "weight_decay", "betas", "eps", "nesterov", "dampening")
+_CHECKED: list[type] = []  # the config classes, for "it belongs in another table"
+
+
+def unknown_setting(cls: type, name: str, where: str = "") -> ConfigError:
+    """The one line for a setting ``cls`` does not have: the close spelling, or the table it
+    belongs in (a nested config's setting given at the top, or the other way round)."""
+    names = init_names(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):  # a nested table's setting, given one level up
+        kind = hints.get(f.name)
+        if dataclasses.is_dataclass(kind) and name in init_names(kind):
+            return ConfigError(
+                f"unknown setting {where + name!r}: it is a setting of the {f.name} table; "
+                f"give it as {where + f.name}.{name}"
+            )
+    for parent in _CHECKED:  # a setting of the table above, given inside a nested one
+        nested = [
+            f
+            for f in dataclasses.fields(parent)
+            if typing.get_type_hints(parent).get(f.name) is cls
+        ]
+        if nested and name in init_names(parent):
+            return ConfigError(
+                f"unknown setting {where + name!r}: {name} is a setting of the job itself, not "
+                f"of its {nested[0].name} table: give it at the top level"
+            )
+    if name in OPTIMIZER_ARGUMENTS:
+        table = "" if "kwargs" in names else "optimizer."
+        return ConfigError(
+            f"unknown setting {where + name!r}: {name} is an argument of the optimizer; give it "
+            f"as {where}{table}kwargs.{name} (--set {where}{table}kwargs.{name}=V; from Python, "
+            f"optimizer={{'name': 'sgd', 'kwargs': {{'{name}': V}}}})"
+        )
+    close = difflib.get_close_matches(name, names, n=1)
+    if close:
+        return ConfigError(f"unknown setting {where + name!r}; did you mean {where + close[0]!r}?")
+    known = ", ".join(sorted(names))
+    return ConfigError(f"unknown setting {where + name!r} (known: {known})")
+
+
 def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     """Build dataclass ``cls`` from a dict, checking names and types; nested dataclasses recurse."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or cls.__name__} must be a table, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - init_names(cls))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], names, n=1)
-        hint = f"; did you mean {where + close[0]!r}?" if close else ""
-        raise ConfigError(
-            f"unknown setting {where + unknown[0]!r}{hint} (known: {', '.join(sorted(names))})"
-        )
+        raise unknown_setting(cls, unknown[0], where)
     for f in dataclasses.fields(cls):  # a setting with choices: name them, whatever came
         choices = f.metadata.get("choices")
         if choices and f.name in data and data[f.name] not in choices:
             one_of(where + f.name, data[f.name], choices)
-    kwargs = {k: _coerce(hints[k], v, f"{where}{k}") for k, v in data.items()}
+    kwargs = {k: _coerce(_unwrapped(hints[k]), v, f"{where}{k}") for k, v in data.items()}
     try:
         return cls(**kwargs)
     except TypeError as e:
         raise ConfigError(str(e)) from None
+
+
+def _unwrapped(kind: Any) -> Any:
+    """An init-only value's own type (``InitVar[float | None]`` -> float)."""
+    if isinstance(kind, dataclasses.InitVar):
+        kind = kind.type
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return kind
+
+
+def keyword_checked(cls: type) -> type:
+    """A config class whose construction refuses an unknown keyword with the same one line as
+    a file or a flag (``JobConfig(epoch=3)``: did you mean 'epochs'?), not a bare TypeError."""
+    init = cls.__init__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - init_names(cls))
+        if unknown:
+            raise unknown_setting(cls, unknown[0])
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    _CHECKED.append(cls)
+    return cls
 
 
 def _coerce(kind: Any, value: Any, name: str) -> Any:

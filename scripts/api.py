@@ -23,28 +23,52 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from wavelet.common.config import JobConfig
+from wavelet.common.config import JobConfig, OptimizerConfig
 from wavelet.common.daemon_config import LaunchConfig
+from wavelet.common.datasets import Dataset
 from wavelet.common.job import load_trained_model
 from wavelet.common.records import new_run_dir
 from wavelet.common.settings import ConfigError
 
+__all__ = [
+    "ConfigError",
+    "Dataset",
+    "JobConfig",
+    "JobFailed",
+    "LaunchConfig",
+    "OptimizerConfig",
+    "compare",
+    "launch",
+    "load_model",
+]
+
 
 class JobFailed(RuntimeError):
     """A job that did not run to its end: ``exit_code`` as ``wavelet launch`` would exit with,
-    and ``run_dir`` with the logs that say why."""
+    ``reason`` the first failing process's own words, and ``run_dir`` with the logs::
 
-    def __init__(self, message: str, exit_code: int, run_dir: str):
+        try:
+            wavelet.launch(job)
+        except wavelet.JobFailed as e:
+            print(e.reason, e.run_dir)
+    """
+
+    def __init__(self, message: str, exit_code: int, run_dir: str, reason: str = ""):
         super().__init__(message)
         self.exit_code = exit_code
         self.run_dir = run_dir
+        self.reason = reason
 
 
 def launch(job: JobConfig, *, quiet: bool = False, **settings: Any) -> dict:
     """Run ``job`` to its end as ``wavelet launch`` does, with ``settings`` of ``LaunchConfig``
     (``devices``, ``run_dir``, ``mode``, ``transport``, ...); returns the run's summary (its
     ``summary.json``: test accuracy, samples/s, staleness per wave). Raises ``ConfigError`` for
-    a bad setting and ``JobFailed`` when the job stops early."""
+    a bad setting and ``JobFailed`` when the job stops early::
+
+        summary = wavelet.launch(wavelet.JobConfig(epochs=3), devices=["cpu"], quiet=True)
+        print(summary["test_accuracy"])
+    """
     known = {f.name for f in dataclasses.fields(LaunchConfig)} - {"job"}
     unknown = sorted(set(settings) - known)
     if unknown:
@@ -54,12 +78,15 @@ def launch(job: JobConfig, *, quiet: bool = False, **settings: Any) -> dict:
         config = dataclasses.replace(config, run_dir=str(new_run_dir()))
     from wavelet.scripts.launch import launch as launch_job
 
-    code = launch_job(config, quiet=quiet)
+    failures: list[str] = []
+    code = launch_job(config, quiet=quiet, on_failure=failures.append)
     if code != 0:
+        reason = failures[0] if failures else f"exit code {code}"
         raise JobFailed(
-            f"the job stopped with exit code {code}; its logs are in {config.run_dir}/logs",
+            f"the job stopped: {reason.splitlines()[0]} (its logs: {config.run_dir}/logs)",
             code,
             config.run_dir,
+            reason,
         )
     return json.loads((Path(config.run_dir) / "summary.json").read_text())
 
@@ -78,7 +105,11 @@ def compare(
     runs in ``out``); per mode its figures (``run_dir``, ``samples_per_s``, ``time_to_target_s``,
     ``final_score``, ``score_curve``, memory peaks, ``staleness``; with ``memory_budget`` also the
     ``batch`` per task and ``lr`` it chose) or ``{"error": why}``. The memory timelines stay in
-    ``out`` (``metrics.json``, ``memory.png``)."""
+    ``out`` (``metrics.json``, ``memory.png``)::
+
+        figures = wavelet.compare(job, ["ticktock", "allreduce"], target=0.9)
+        print(figures["ticktock"]["time_to_target_s"], figures["allreduce"]["time_to_target_s"])
+    """
     from wavelet.scripts.budget import parse_budget
     from wavelet.scripts.compare import compare as compare_modes
     from wavelet.scripts.compare import default_modes, plan_budget
@@ -106,11 +137,12 @@ def _mode_figures(result, budget: bool) -> dict:
     return figures
 
 
-__all__ = ["ConfigError", "JobConfig", "JobFailed", "LaunchConfig", "compare", "launch"]
-
-
 def load_model(run_dir: str | Path, job: JobConfig | None = None, device: str = "cpu"):
     """The model a run trained, in eval mode: the job's model (from ``RUN_DIR/job.json``, which
     ``launch`` writes, unless ``job`` is given) with the weights in ``RUN_DIR/model.pt`` (a
-    plain state_dict, written when training ends: ``torch.load`` reads it too)."""
+    plain state_dict, written when training ends: ``torch.load`` reads it too)::
+
+        model = wavelet.load_model("runs/mine")
+        print(model(torch.zeros(1, 1, 8, 8)).argmax())
+    """
     return load_trained_model(run_dir, job, device)

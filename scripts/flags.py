@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import re
 import sys
 import typing
 from collections.abc import Callable
@@ -29,7 +31,36 @@ EXIT_USAGE = 2
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        usage_exit(f"{self.prog}: {message} (see {self.prog} --help)")
+        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if wrong:  # a misspelt command or choice: the closest one
+            choices = re.findall(r"'([^']*)'", wrong.group(2))
+            close = difflib.get_close_matches(wrong.group(1), choices, n=1)
+            if close:
+                message += f"; did you mean {close[0]}?"
+        usage_exit(f"{message} (see {self.prog} --help)")
+
+    def parse_args(self, args=None, namespace=None):  # noqa: ANN001 (argparse's own)
+        """As argparse's, but a flag no command has is reported by the command it was given
+        to, with the closest flag that command has: ``--stalness``: did you mean
+        ``--staleness``? (see wavelet launch --help)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = self._command_parser(parsed)
+            flag = next((e for e in extra if e.startswith("-")), extra[0])
+            options = [o for a in command._actions for o in a.option_strings]
+            close = difflib.get_close_matches(flag.split("=")[0], options, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            usage_exit(f"unrecognized argument {flag}{hint} (see {command.prog} --help)")
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The subcommand's parser the arguments went to (this one where there is none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                name = getattr(parsed, action.dest or "", None)
+                if name in action.choices:
+                    return action.choices[name]
+        return self
 
 
 def usage_exit(message: str) -> NoReturn:

@@ -13,6 +13,7 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from wavelet.common.config import JobConfig
@@ -45,10 +46,16 @@ FP16_ON_CPU = (
 )
 
 
-def launch(config: LaunchConfig, quiet: bool = False, fork_server: ForkServer | None = None) -> int:
+def launch(
+    config: LaunchConfig,
+    quiet: bool = False,
+    fork_server: ForkServer | None = None,
+    on_failure: Callable[[str], None] | None = None,
+) -> int:
     """Run the job to the end; 0 on success, 1 if a child failed, ``INTERRUPTED`` on Ctrl-C.
     ``fork_server``: one the caller keeps for several jobs (``start_fork_server``), so that its
-    imports are paid once; else the job starts and stops its own."""
+    imports are paid once; else the job starts and stops its own. ``on_failure`` hears the first
+    failing process's reason (the Python API's ``JobFailed.reason``)."""
     config = dataclasses.replace(config, job=config.concrete_job())  # every process, one rule
     if config.max_restarts and config.job.shard_replicas == 1:
         # a killed shard comes back where it was: its waves wait for it as long as a restart
@@ -114,6 +121,8 @@ def launch(config: LaunchConfig, quiet: bool = False, fork_server: ForkServer | 
         return INTERRUPTED
     except (ChildFailed, ShardError) as e:
         print(f"wavelet launch: {e}", file=sys.stderr)
+        if on_failure is not None:
+            on_failure(str(e))
         return 1
     finally:
         if board is not None:

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "ConfigError",
+    "Dataset",
     "JobConfig",
     "JobFailed",
     "LaunchConfig",
+    "OptimizerConfig",
     "compare",
     "launch",
     "load_model",
@@ -25,9 +27,11 @@ __all__ = [
 if TYPE_CHECKING:
     from wavelet.scripts.api import (
         ConfigError,
+        Dataset,
         JobConfig,
         JobFailed,
         LaunchConfig,
+        OptimizerConfig,
         compare,
         launch,
         load_model,
@@ -41,4 +45,4 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    return sorted(__all__)  # the public names, not this module's own imports
