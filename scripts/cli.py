@@ -183,6 +183,12 @@ def _add_sweep_commands(sub) -> None:
         help="update rules to try, from async (every bound and policy above), wave-groups and "
         "wave-turns (once each) (default async)",
     )
+    tune.add_argument(
+        "--seeds",
+        default="0,1",
+        help="run every setting once per seed; a difference within the spread between seeds "
+        "is a tie (default 0,1)",
+    )
     _add_sweep_flags(tune, "tune")
     tune.set_defaults(run=cmd_tune)
 

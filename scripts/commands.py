@@ -172,7 +172,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     print("\n".join(verdict(results, args.target_acc, plan)))
     print(format_table(results, args.target_acc, plan))
-    print(f"report: {out / 'report.md'}")
+    plots = [p for p in ("accuracy.png", "memory.png") if (out / p).exists()]
+    print(f"report: {out / 'report.md'}; plots: " + ", ".join(str(out / p) for p in plots))
     if any(r.interrupted for r in results):
         return INTERRUPTED
     return 0 if all(r.ok for r in results) else 1
@@ -184,22 +185,27 @@ def cmd_tune(args: argparse.Namespace) -> int:
         format_table,
         parse_bounds,
         parse_policies,
+        parse_seeds,
         parse_updates,
         settings_for,
         tune,
+        with_references,
     )
 
     job = job_from_args(args)
     settings = settings_for(
         parse_bounds(args.bounds), parse_policies(args.policies), parse_updates(args.sweep_updates)
     )
+    seeds = parse_seeds(args.seeds)
     for d in args.devices:
         check_device(d)
     out = Path(args.out) if args.out else new_run_dir("tune")
-    results = tune(job, args.devices, settings, out, args.target_acc, args.fork_server)
+    results = tune(
+        job, args.devices, with_references(settings), out, args.target_acc, args.fork_server, seeds
+    )
     print(format_table(results, args.target_acc))
     print(format_recommendation(results))
-    print(f"report: {out / 'report.md'}")
+    print(f"report: {out / 'report.md'}; plot: {out / 'accuracy.png'}")
     if any(r.interrupted for r in results):
         return INTERRUPTED
     return 0 if all(r.figures for r in results) else 1

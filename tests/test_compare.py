@@ -99,6 +99,7 @@ def test_compare_report_is_complete_and_matches_the_records(tmp_path):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
         assert matplotlib.image.imread(out / png).shape[0] > 100
+    assert f"plots: {out / 'accuracy.png'}, {out / 'memory.png'}" in done.stdout  # named
     # the table's numbers come from the raw records beside it
     for name in ("ticktock", "allreduce"):
         m = run_figures(out / name, 0.5)
