@@ -1,6 +1,7 @@
 """The command line as a new user meets it: failures are one line, help is complete."""
 
 import argparse
+import dataclasses
 import socket
 from collections import Counter
 
@@ -121,7 +122,7 @@ def test_every_flag_of_every_command_says_what_it_does_and_its_choices():
     # the help comes from the config dataclasses' metadata: one source
     launch = commands["launch"].format_help()
     for cls in (JobConfig, LaunchConfig):
-        for field in cls.__dataclass_fields__.values():
+        for field in dataclasses.fields(cls):
             if field.metadata.get("flag") == "":
                 continue
             assert field.metadata["help"][:30].split()[0] in launch, field.name
@@ -129,7 +130,7 @@ def test_every_flag_of_every_command_says_what_it_does_and_its_choices():
                 assert str(choice) in launch
     for cls, command in ((PSConfig, "ps"), (WorkerConfig, "worker")):
         text = commands[command].format_help()
-        for field in cls.__dataclass_fields__.values():
+        for field in dataclasses.fields(cls):
             if field.metadata.get("flag") != "":
                 flag = field.metadata.get("flag") or "--" + field.name.replace("_", "-")
                 assert flag in text, (command, flag)

@@ -145,7 +145,6 @@ def test_a_grouped_rule_names_itself_in_the_table_instead_of_a_bound_and_policy(
     assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " scale "], [" - ", " wave-turns "]]
 
 
-
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_the_whole_sweep_and_reports_what_ran(tmp_path):
     out = tmp_path / "tune"

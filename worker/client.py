@@ -33,7 +33,6 @@ from wavelet.common.protocol import (
     Op,
     RemoteError,
     ShardError,
-    ShardLost,
     ShardTimeout,
     decode_reply,
     raise_for_error,
@@ -43,6 +42,7 @@ from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import ShardingPlan
 from wavelet.worker.datapath import WaveDataPath
 from wavelet.worker.links import ShardLinks
+from wavelet.worker.recovery import Recovery
 from wavelet.worker.rounds import (
     BudgetSpent,
     Exchange,
@@ -57,7 +57,7 @@ GOODBYE_S = 2.0  # how long a stopping wave waits for the shards to take its lea
 log = logging.getLogger(__name__)
 
 
-class PSClient:
+class PSClient(Recovery):
     """Talks to all shards for one wave (``worker``, ``wave``) about one model's tensors."""
 
     def __init__(
@@ -424,59 +424,6 @@ class PSClient:
                     raise self._lost(i)
         return replies
 
-    # --- lost, restarted and moved shards ----------------------------------------------------
-
-    def _lost(self, i: int, why: str = "") -> ShardLost:
-        """The error that ends a wave whose shard ``i`` is gone for good."""
-        chunks = self.chunks[i]
-        mb = sum(c.numel * self.data.tensors[c.name].element_size() for c in chunks) / 1e6
-        standby = self.links[i].standby
-        why = why or (
-            f"its standby at {standby} did not take it over"
-            if standby
-            else "it has no standby (--shard-replicas 2 keeps a copy on another node)"
-        )
-        return ShardLost(
-            f"shard {i} at {self.addresses[i]} is gone: no connection for "
-            f"{self.links.down_for(i):.0f} s (shard_timeout_s {self.links.lost_after_s:g}); it "
-            f"held {len(chunks)} chunk(s) of the model ({mb:.1f} MB) and {why}: the job cannot "
-            "go on without them",
-            [self.addresses[i]],
-        )
-
-    def _fail_over(self, i: int, recover, handed: bool = False) -> tuple[Header, list]:
-        """Shard ``i``'s connection is down (or it said it moved): go to its standby, which takes
-        the shard over once it too has lost the primary, and re-join there; the re-join's answer
-        stands in for shard i's reply. Raises ``ShardLost`` when the standby does not take over
-        within the lost time."""
-        link = self.links[i]
-        primary, standby, since = link.address, link.standby, link.down_since
-        log.warning(
-            "shard %d at %s %s: wave %s/%d moves to its standby at %s",
-            i,
-            primary,
-            "handed itself over" if handed else "lost its connection",
-            self.worker,
-            self.wave,
-            standby,
-        )
-        self.links.move(i, standby)
-        self.links[i].down_since = since  # the lost time counts from the first trouble
-        if self.on_move is not None:
-            self.on_move(i, standby)
-        self.data.use_tcp(i)  # another host, maybe: attach decides again
-        while True:
-            try:
-                return recover(i)
-            except RemoteError as e:
-                if e.code != ErrorCode.NOT_PRIMARY:
-                    raise
-            waited = time.monotonic() - (since or time.monotonic())
-            if waited > self.links.lost_after_s:
-                raise self._lost(i, f"its standby at {standby} says the primary is alive")
-            if self.stop.wait(0.2):
-                raise StopRequested()
-
     def _try_send(self, i: int, header: Header, tensors: list[torch.Tensor]) -> bool:
         """Queue a message for shard ``i`` without waiting; False while it cannot be queued."""
         try:
@@ -504,86 +451,6 @@ class PSClient:
         i = self.links.which(mon)[1]
         if i >= 0:
             self.links.take_event(i)
-
-    def _rejoin(self, i: int, recover) -> tuple[Header, list[torch.Tensor]]:
-        # The reconnection that brought us here was reported before its first reply came: take
-        # it in now, so that it does not trigger a second re-join at the next request.
-        self._watch_connections(block_ms=0)
-        self.links[i].restarted = False
-        log.warning(
-            "shard %s reconnected: wave %s/%d registers again",
-            self.addresses[i],
-            self.worker,
-            self.wave,
-        )
-        return recover(i)
-
-    def _recover(
-        self, i: int, clock: int, repush: Callable[[], tuple[Header, list]] | None = None
-    ) -> tuple[Header, list[torch.Tensor]]:
-        """Register with shard ``i`` again at ``clock`` (seeding it if it came back empty) and
-        pull its weights; counts the updates it lost (versions we saw that it no longer has).
-
-        A standby that took the shard over knows our clock from its primary: where it lacks our
-        push for ``clock - 1`` (the primary took it but died before passing it on), ``repush``
-        gives that push again and its answer stands in for the pull."""
-        if self.links[i].moved:
-            h = self._while_in_use(
-                lambda: self._request_one(
-                    i, self._header(Op.REGISTER, clock=clock, body=RegisterRequest(resume=True))
-                )
-            )
-            kept = reply_body(Op.REGISTER, h)
-            if not kept.initialized and repush is not None:
-                # it holds nothing: we seed it with the weights we read before our last push,
-                # at the clock before it, and give it that push again below
-                h = self._register_again(i, clock - 1)
-            elif not (kept.initialized and kept.clock in (clock, clock - 1) and repush):
-                h = self._register_again(i, clock)
-        else:
-            h = self._register_again(i, clock)
-        registered = reply_body(Op.REGISTER, h)
-        if not self.links[i].moved:
-            self.links[i].standby = registered.standby
-        # a standby with nothing is seeded with our weights, at the version they carry
-        restored = registered.version if registered.initialized else self.last_versions[i]
-        lost = max(0, self.last_versions[i] - restored)
-        self.lost_updates += lost
-        if lost:
-            log.warning(
-                "shard %s lost %d update(s) (back at version %d)", self.addresses[i], lost, restored
-            )
-        if not registered.initialized:
-            init, tensors = self._init_message(i)
-            self.data.flush()
-            self._request_one(i, init, tensors)
-        self._attach(i)  # a restarted shard made new segments (or none)
-        if repush is not None and registered.clock == clock - 1:
-            header, tensors = repush()  # our push for clock - 1, again, with the pull after it
-            self.data.flush()
-            return self._request_one_reply(i, header, tensors)
-        return self._request_one_reply(i, self._header(Op.PULL, clock=clock))
-
-    def _register_again(self, i: int, clock: int) -> Header:
-        """Register with shard ``i`` at exactly ``clock``."""
-        header = self._header(Op.REGISTER, clock=clock, body=RegisterRequest(exact=True))
-        return self._while_in_use(lambda: self._request_one(i, header))
-
-    def _while_in_use(self, register):
-        """Call ``register()`` until no shard answers ``wave_in_use``: a shard that has not yet
-        seen our previous connection close (a restarted worker whose old host vanished without
-        closing it) lets go when it does, or when it drops that connection's wave for silence;
-        waits within the request timeout."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                return register()
-            except RemoteError as e:
-                if e.code != ErrorCode.WAVE_IN_USE or time.monotonic() > deadline:
-                    raise
-                log.info("wave %s/%d: %s; trying again", self.worker, self.wave, e.message)
-            if self.stop.wait(0.5):
-                raise StopRequested()
 
     def _request_one(self, i: int, header: Header, tensors=()) -> Header:
         return self._request_one_reply(i, header, tensors)[0]
