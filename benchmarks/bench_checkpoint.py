@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from wavelet.common.config import OptimizerConfig
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.ps.checkpoints import write_checkpoint
 from wavelet.ps.shard import Shard
 

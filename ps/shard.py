@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wavelet.common.config import OptimizerConfig
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import ErrorCode, ProtocolError, TensorDesc
 
 

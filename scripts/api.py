@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from wavelet.common.config import JobConfig, OptimizerConfig
+from wavelet.common.config import JobConfig
 from wavelet.common.daemon_config import LaunchConfig
 from wavelet.common.datasets import Dataset
 from wavelet.common.job import load_trained_model
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.records import new_run_dir
 from wavelet.common.settings import ConfigError
 

@@ -16,7 +16,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from wavelet.common.config import JobConfig, OptimizerConfig
+from wavelet.common.config import JobConfig
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.settings import (
     ConfigError,
     apply_override,

@@ -21,11 +21,6 @@ job's wire protocol: nothing else can reach it).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import importlib
-import io
-import json
 import logging
 import os
 import select
@@ -39,31 +34,19 @@ import traceback
 import warnings
 from pathlib import Path
 
+from wavelet.scripts.forkserver_serve import (
+    TEMP_LOG_PREFIX,
+    become_server,
+    decode,
+    die_with_parent,
+    encode,
+    remove_if_empty_temporary,
+    serve,
+)
+
 log = logging.getLogger(__name__)
 
-# What a daemon imports anyway, imported once in the server. torch._dynamo comes in with the
-# first optimizer a shard builds; torch.distributed with the all-reduce ranks.
-PRELOAD = (
-    "torch",
-    "torch._dynamo",
-    "torch.distributed",
-    "wavelet.scripts.cli",
-    "wavelet.ps.service",
-    "wavelet.worker.daemon",
-    "wavelet.worker.allreduce",
-)
-ENTRY_MODULE = "wavelet.scripts.cli"  # whose main() runs a daemon's command line
 READY_TIMEOUT_S = 120.0  # the server's imports: about 5 s of CPU; slow machines, busy cores
-REAP_EVERY_S = 0.1  # how often the server looks for exited children between requests
-TEMP_LOG_PREFIX = "wavelet-forkserver-"  # the server's output, where no log path is given
-
-
-def die_with_parent() -> None:
-    """In a child: get SIGTERM when the parent dies, so no daemon outlives its launcher."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class ForkServerError(RuntimeError):
@@ -94,7 +77,7 @@ class ForkServer:
         ours, theirs = socket.socketpair()
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "wavelet.scripts.forkserver", str(theirs.fileno())]
+                [sys.executable, "-m", "wavelet.scripts.forkserver_serve", str(theirs.fileno())]
                 + [str(log_path)],
                 pass_fds=[theirs.fileno()],
                 stdout=out,
@@ -139,7 +122,7 @@ class ForkServer:
         if pid == 0:  # the server, until the launcher hangs up; then out, as Python exits
             try:
                 ours.close()
-                _become_server(theirs.fileno(), log_path, _server_env(env), launcher)
+                become_server(theirs.fileno(), log_path, _server_env(env), launcher)
                 serve(theirs.fileno(), str(log_path))
             except Exception:  # never into a caller's handler: out, as Python itself would
                 traceback.print_exc()
@@ -209,11 +192,11 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        _remove_if_empty_temporary(self.log_path)  # the server's own cleanup, if it was killed
+        remove_if_empty_temporary(self.log_path)  # the server's own cleanup, if it was killed
 
     def _send(self, message: dict) -> None:
         try:
-            self.sock.sendall(_encode(message))
+            self.sock.sendall(encode(message))
         except OSError as e:
             raise ForkServerError(f"the fork server is gone ({e})") from None
 
@@ -240,7 +223,7 @@ class ForkServer:
         if not data:
             self._lost()
             return True
-        messages, self._buffer = _decode(self._buffer + data)
+        messages, self._buffer = decode(self._buffer + data)
         for message in messages:
             if "exited" in message:
                 self._exits[message["exited"]] = message["code"]
@@ -364,172 +347,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
-
-
-def _encode(message: dict) -> bytes:
-    """One message on the launcher-server socket: a line of JSON (both directions)."""
-    return json.dumps(message).encode() + b"\n"
-
-
-def _decode(buffer: bytes) -> tuple[list[dict], bytes]:
-    """The whole messages in ``buffer``, and what is left of a message still arriving."""
-    *lines, rest = buffer.split(b"\n")
-    return [json.loads(line) for line in lines], rest
-
-
-def _remove_if_empty_temporary(log_path: Path) -> None:
-    """A server's temporary log (no path given) is worth keeping only if something was said."""
-    if log_path.name.startswith(TEMP_LOG_PREFIX):
-        with contextlib.suppress(OSError):
-            if log_path.stat().st_size == 0:
-                log_path.unlink()
-
-
-# The server's end ---------------------------------------------------------------------------
-
-
-def serve(fd: int, log_path: str = "") -> None:
-    """Import what daemons need, then fork one per request until the launcher hangs up (or
-    dies: SIGTERM). A temporary log left empty is removed on the way out."""
-    server_pid = os.getpid()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        _serve(socket.socket(fileno=fd))
-    finally:
-        # a forked daemon leaves through here too, when its command ends: not its business
-        if os.getpid() == server_pid and log_path:
-            _remove_if_empty_temporary(Path(log_path))
-
-
-def _become_server(fd: int, log_path: Path, env: dict[str, str], launcher: int) -> None:
-    """In a server forked from the launcher: what ``start``'s exec would have given it (own
-    session, output to its log, nothing else of the launcher's open, its command line)."""
-    os.setsid()
-    die_with_parent()
-    if os.getppid() != launcher:  # it died before the line above: nobody to serve
-        sys.exit(0)
-    _redirect_stdio(log_path, append=True)
-    os.closerange(3, fd)  # descriptors the launcher inherited (a caller's pipes), not Python's
-    os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
-    # the title before the environment changes: setproctitle finds its memory beside it
-    _retitle([sys.executable, "-m", "wavelet.scripts.forkserver", str(fd), str(log_path)])
-    os.environ.clear()
-    os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its own session: the launcher stops it
-
-
-def _serve(sock: socket.socket) -> None:
-    try:
-        _preload()
-    except Exception as e:  # any import failing: the launcher execs its daemons instead
-        _send(sock, {"error": f"the fork server could not import what daemons need: {e!r}"})
-        return
-    import torch
-
-    if torch.cuda.is_initialized():  # a forked child could not use CUDA
-        _send(sock, {"error": "CUDA was initialised while importing; daemons cannot be forked"})
-        return
-    _send(sock, {"ready": True})
-    buffer = b""
-    while True:
-        ready, _, _ = select.select([sock], [], [], REAP_EVERY_S)
-        _reap(sock)
-        if not ready:
-            continue
-        data = sock.recv(65536)
-        if not data:  # the launcher is done (or gone): so is this server
-            return
-        requests, buffer = _decode(buffer + data)
-        for request in requests:
-            with warnings.catch_warnings():
-                # Python 3.12+ warns on fork with threads: the other thread here is numpy's
-                # OpenBLAS pool, idle, which re-forms itself after fork (pthread_atfork).
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-            if pid == 0:  # this process is now the daemon; the server's loop ends here for it
-                sock.close()
-                _become_daemon(request)
-            _send(sock, {"pid": pid})
-
-
-def _preload() -> None:
-    import importlib
-
-    for name in PRELOAD:
-        importlib.import_module(name)
-    try:
-        from setproctitle import getproctitle
-    except ImportError:  # daemons show the server's command line (``_retitle``)
-        return
-    getproctitle()  # finds the title's memory now: a child's changed environment would hide it
-
-
-def _reap(sock: socket.socket) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
-
-
-def _send(sock: socket.socket, message: dict) -> None:
-    try:
-        sock.sendall(_encode(message))
-    except OSError:
-        pass  # the launcher is gone; the loop ends at the next read
-
-
-def _become_daemon(request: dict) -> None:
-    """In the forked child: the process ``python -m wavelet.scripts.cli ARGS`` would have been
-    (own session, output to the log, stdin from /dev/null, the given environment and working
-    directory), then run the command and exit as Python exits."""
-    os.setsid()
-    die_with_parent()
-    _redirect_stdio(request["log"], request.get("err"), request["append"])
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    # the command line's module, by name: it imports this one, not the other way round
-    cli = importlib.import_module(ENTRY_MODULE)
-    sys.argv = [cli.__file__, *request["args"]]
-    _retitle([sys.executable, "-m", ENTRY_MODULE, *request["args"]])
-    sys.exit(cli.main(request["args"], entry_point=True))  # nothing above it but this server
-
-
-def _redirect_stdio(log: str | Path, err: str | Path | None = None, append: bool = True) -> None:
-    """Standard input from /dev/null, output (and errors, unless ``err``) to ``log``: what exec
-    with a log file gives a process. Unbuffered, as exec'd daemons run (PYTHONUNBUFFERED): a
-    killed process's log is whole."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-    out = os.open(log, flags, 0o644)
-    # one open file for both, unless apart: their writes must not overlap
-    errors = os.open(err, flags, 0o644) if err else out
-    null = os.open(os.devnull, os.O_RDONLY)
-    for fd, standard in ((null, 0), (out, 1), (errors, 2)):
-        os.dup2(fd, standard)
-    for fd in {null, out, errors}:
-        os.close(fd)
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
-    )
-
-
-def _retitle(command: list[str]) -> None:
-    """Show the daemon's own command in ps, top and /proc/PID/cmdline (space-separated), not
-    the fork server's: how users and ``wavelet clean`` tell a job's daemons apart."""
-    try:
-        from setproctitle import setproctitle
-    except ImportError:  # a Python without it (the GPU machine's, unless from ./wheels)
-        return
-    setproctitle(" ".join(command))
-
-
-if __name__ == "__main__":
-    serve(int(sys.argv[1]), sys.argv[2])

@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import ServiceWave, push_header, reply_of, service_for
 
-from wavelet.common.config import OptimizerConfig
 from wavelet.common.messages import PushRequest
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import Op, ProtocolError, encode
 
 LR = 0.1

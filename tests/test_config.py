@@ -74,7 +74,8 @@ def test_every_supported_optimizer_passes_its_own_checks_without_loading_the_com
     # import torch._dynamo, as building an optimizer does (about a second per process)
     code = (
         "import sys\n"
-        "from wavelet.common.config import OptimizerConfig, _OPTIMIZERS, UNSUPPORTED_OPTIMIZERS\n"
+        "from wavelet.common.optimizer import (\n"
+        "    OptimizerConfig, _OPTIMIZERS, UNSUPPORTED_OPTIMIZERS)\n"
         "for name in set(_OPTIMIZERS) - set(UNSUPPORTED_OPTIMIZERS):\n"
         "    OptimizerConfig(name=name, lr=0.01)\n"
         "assert 'torch._dynamo' not in sys.modules\n"

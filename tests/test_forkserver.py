@@ -140,7 +140,7 @@ def test_a_server_forked_from_the_command_itself_serves_and_leaves_as_python_doe
     assert done.stdout.splitlines() == [
         "server's parent: True",
         "child status: 0",
-        "server title: ['-m', 'wavelet.scripts.forkserver']",
+        "server title: ['-m', 'wavelet.scripts.forkserver_serve']",
         "server status: 0",
     ], done.stdout + done.stderr
     assert (tmp_path / "k" / "alice.key").exists()

@@ -16,7 +16,7 @@ from helpers import (
     tiny_model,
 )
 
-from wavelet.common.config import OptimizerConfig
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import Op, encode
 
 LR = 0.1

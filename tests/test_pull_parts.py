@@ -19,8 +19,8 @@ from helpers import (
     tiny_model,
 )
 
-from wavelet.common.config import OptimizerConfig
 from wavelet.common.messages import WeightsReply, reply_header
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import ErrorCode, Header, Op, ShardError, decode, encode
 from wavelet.worker.pull_hooks import PullDuringForward
 from wavelet.worker.rounds import PullParts

@@ -6,8 +6,9 @@ import pytest
 import torch
 from helpers import ServiceWave, push_header, reply_of, service_for
 
-from wavelet.common.config import JobConfig, OptimizerConfig, concrete_updates, launch_updates
+from wavelet.common.config import JobConfig, concrete_updates, launch_updates
 from wavelet.common.daemon_config import LaunchConfig
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import Op, encode
 from wavelet.common.settings import ConfigError
 from wavelet.ps.update_rules import corrected_momentum, update_lr_factor

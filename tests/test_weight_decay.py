@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import run_wavelet
 
-from wavelet.common.config import JobConfig, OptimizerConfig
+from wavelet.common.config import JobConfig
 from wavelet.common.job import build_dataset_and_model, load_trained_model
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.settings import ConfigError, from_dict
 from wavelet.ps.shard import Shard
 

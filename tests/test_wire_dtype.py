@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import ServiceWave, free_port, service_for, tiny_model
 
-from wavelet.common.config import OptimizerConfig
+from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import ErrorCode, Op, decode, encode
 from wavelet.common.sharding import ShardingPlan, model_tensors
 from wavelet.worker.datapath import FP16_MAX, WaveDataPath
