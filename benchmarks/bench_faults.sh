@@ -9,8 +9,9 @@ OUT=${1:-runs/bench-faults}
 PY=${PYTHON:-.venv/bin/python}
 run() {  # run NAME FLAGS...
     local name=$1; shift
+    # the test metric every second of training, so that time to target is known to a second
     "$PY" benchmarks/cluster.py --config configs/narrow_resnet.toml --rates 1gbit \
-        --seconds 45 --target-acc 0.6 --out "$OUT/$name" "$@"
+        --seconds 45 --target-acc 0.6 --out "$OUT/$name" "$@" -- --eval-every-s 1
 }
 SEEDS=${SEEDS:-0,1,2}
 run equal --modes ticktock,ticktock-kofn,allreduce --seeds "$SEEDS"
