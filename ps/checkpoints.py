@@ -140,14 +140,20 @@ class Checkpointer:
                 e,
             )
 
-    def close(self) -> None:
-        """The final checkpoint (when there is something to save); then the push log closes,
-        whatever the checkpoint raised."""
+    def maybe_final(self) -> None:
+        """A checkpoint now, where there is a run dir and something to save; a failure is
+        logged, never raised (the shard is handing itself over or stopping)."""
         try:
             if self.config.run_dir and self.shard.initialized and self.enabled:
                 self.write()
         except Exception as e:
-            log.error("final checkpoint failed: %s: %s", type(e).__name__, e)
+            log.error("checkpoint failed: %s: %s", type(e).__name__, e)
+
+    def close(self) -> None:
+        """The final checkpoint (when there is something to save); then the push log closes,
+        whatever the checkpoint raised."""
+        try:
+            self.maybe_final()
         finally:
             for log_file in (self.push_log, self.member_log):
                 if log_file:

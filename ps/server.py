@@ -306,7 +306,10 @@ class ShardServer:
         if r.hand_over(self.service):
             self.handed_over = True
             self.service.moved_to = r.address
-            self.service.checkpoints.enabled = False  # the standby's from now on
+            # the state handed over is on disk too (a group torchrun restarts resumes from it,
+            # should the standby stop with it); then the checkpoints are the standby's
+            self.service.checkpoints.maybe_final()
+            self.service.checkpoints.enabled = False
             log.info(
                 "shard %d handed itself to its standby at %s (version %d)",
                 self.config.shard_index,
