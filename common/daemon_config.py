@@ -297,7 +297,11 @@ class WorkerConfig:
 @keyword_checked
 @dataclass
 class LaunchConfig:
-    """A whole job on this machine: the shards and one worker per device."""
+    """A whole job on this machine: the shards and one worker per device. From Python its
+    settings are ``wavelet.launch``'s keywords::
+
+        wavelet.launch(job, devices=["cpu", "cpu"], mode="allreduce", run_dir="runs/ddp")
+    """
 
     job: JobConfig = setting(default_factory=JobConfig, help="the job", flag="")
     devices: list[str] = setting(

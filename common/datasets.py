@@ -27,6 +27,15 @@ from wavelet.common.imports import import_callable
 
 @dataclass
 class Dataset:
+    """A dataset held in memory as tensors (the fast path): what a dataset factory
+    ``function(seed, **dataset_kwargs)`` may return::
+
+        def blobs(seed, n=512):
+            g = torch.Generator().manual_seed(seed)
+            x, y = torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+            return wavelet.Dataset(x[:448], y[:448], x[448:], y[448:], num_classes=3)
+    """
+
     train_x: torch.Tensor
     train_y: torch.Tensor
     test_x: torch.Tensor

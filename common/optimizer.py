@@ -49,7 +49,11 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sgd": {"momentum": 0.7}}
 @keyword_checked
 @dataclass
 class OptimizerConfig:
-    """A ``torch.optim`` optimizer by name (case-insensitive) with its keyword arguments."""
+    """A ``torch.optim`` optimizer by name (case-insensitive) with its keyword arguments::
+
+        opt = wavelet.OptimizerConfig(name="adamw", lr=1e-3, kwargs={"weight_decay": 0.01})
+        job = wavelet.JobConfig(optimizer=opt)  # or optimizer="adamw", lr=1e-3
+    """
 
     name: str = setting("sgd", help="torch.optim optimizer by name, e.g. sgd, adam, adamw")
     lr: float = setting(0.05, help="learning rate (the schedule scales it over the job)")

@@ -26,7 +26,13 @@ MiB = 1 << 20
 
 
 class ConfigError(ValueError):
-    """A bad configuration value; the message says which and what would be accepted."""
+    """A bad configuration value; the message says which and what would be accepted::
+
+        try:
+            wavelet.JobConfig(epoch=3)
+        except wavelet.ConfigError as e:
+            print(e)  # unknown setting 'epoch'; did you mean 'epochs'?
+    """
 
 
 def setting(

@@ -5,6 +5,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -163,3 +164,31 @@ def test_compare_from_python_returns_each_modes_figures(parts):
         assert "memory_traces" not in got and "batch" not in got  # no budget chose a batch
     assert os.path.exists("side/report.md")
     json.dumps(figures)  # plain data
+
+
+def test_the_flat_api_reads_like_the_command_line_and_fails_in_one_line():
+    import wavelet
+
+    job = wavelet.JobConfig(lr=0.05, optimizer="adamw", waves=2, staleness=1)
+    assert (job.optimizer.name, job.optimizer.lr, job.waves) == ("adamw", 0.05, 2)
+    job = wavelet.JobConfig(optimizer={"name": "sgd", "lr": 0.1, "kwargs": {"momentum": 0.9}})
+    assert job.optimizer.effective_kwargs["momentum"] == 0.9
+    for kwargs, says in (
+        ({"epoch": 3}, "did you mean 'epochs'?"),
+        ({"momentum": 0.9}, "optimizer.kwargs.momentum"),
+        ({"optimizer": {"lr": -1}}, "optimizer.lr must be > 0"),
+        ({"optimizer": "lbfgs"}, "cannot call"),
+        ({"optimizer": 3}, "optimizer must be a name"),
+    ):
+        with pytest.raises(wavelet.ConfigError, match=re.escape(says)):
+            wavelet.JobConfig(**kwargs)
+
+
+def test_wavelet_exports_exactly_its_public_names_each_with_an_example():
+    import wavelet
+
+    assert dir(wavelet) == sorted(wavelet.__all__)
+    assert "importlib" not in dir(wavelet) and "annotations" not in dir(wavelet)
+    for name in wavelet.__all__:
+        doc = getattr(wavelet, name).__doc__ or ""
+        assert "::" in doc or ">>>" in doc, f"wavelet.{name} has no example in its docstring"
