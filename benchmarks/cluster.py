@@ -54,9 +54,9 @@ from cluster_events import (
 from cluster_report import merge_nodes, report, shard_apply_ms, timeline_plot
 from emulated_cluster import Cluster, node_command, node_cores, preflight, rate_bits
 
+from wavelet.common import throttle
 from wavelet.common.figures import run_figures
-from wavelet.scripts import throttle
-from wavelet.scripts.throttle import CpuCap
+from wavelet.common.throttle import CpuCap
 
 
 @dataclass(frozen=True)

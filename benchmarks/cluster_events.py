@@ -2,7 +2,7 @@
 node, a co-tenant that comes and goes) and membership changes (a node killed, preempted, started
 again), the same for every mode.
 
-Every process of a node lives in a cgroup of its own (``scripts/throttle.py``): the cap applies
+Every process of a node lives in a cgroup of its own (``common/throttle.py``): the cap applies
 to whatever the node starts, and a kill reaches everything it started, whatever session it is in.
 Times count from the moment the job starts training (its first step record on any node).
 """
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wavelet.scripts.throttle import CpuCap
+from wavelet.common.throttle import CpuCap
 
 
 @dataclass(frozen=True)

@@ -280,10 +280,15 @@ class JobConfig:
         "parameters change from step to step)",
         choices=FIND_UNUSED,
     )
-    # A straggler, for experiments: wave number slow_wave (counted over the whole job, -1 for
-    # none) takes slow_factor times as long per iteration.
-    slow_wave: int = setting(-1, help="experiments: this wave (job-wide index) is a straggler")
-    slow_factor: float = setting(1.0, help="experiments: the straggler's slowdown factor")
+    # A straggler by a sleep in one wave's loop: fenced off for experiments on update rules
+    # alone. All-reduce never sees it, so no comparison with it is fair: a slow node is a CPU
+    # cap (--slow-device, benchmarks/cluster.py --slow), the same for every mode.
+    slow_wave: int = setting(
+        -1,
+        help="experiments only (a sleep all-reduce never sees; compare modes with "
+        "--slow-device): this wave (job-wide index) sleeps",
+    )
+    slow_factor: float = setting(1.0, help="experiments only: slow_wave's slowdown factor")
 
     # the learning rate, given flat (``JobConfig(lr=0.05)``, a top-level ``lr`` in a file): it
     # is the optimizer's, where it is kept

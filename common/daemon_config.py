@@ -360,6 +360,12 @@ class LaunchConfig:
         help="every daemon serves Prometheus metrics: shard i on BASE+i, worker r on "
         "BASE+shards+r (0: free ports, listed at start; -1: off)",
     )
+    slow_device: str = setting(
+        "",
+        help="D:PCT: cap the processes of device D (its index in --devices: its worker, or "
+        "its all-reduce ranks) at PCT%% of a core through the cgroup cpu controller, alike "
+        "for every mode: a slow or shared device (needs a writable cgroup cpu controller)",
+    )
     spawn: str = setting(
         "fork",
         help="how daemons start: fork (from one process per job that imported torch once; a "
@@ -377,6 +383,15 @@ class LaunchConfig:
         for d in self.devices:
             check_device(d)
         non_negative("threads", self.threads)
+        if self.slow_device:
+            from wavelet.common.throttle import parse_cap, why_not
+
+            try:
+                parse_cap(self.slow_device, "--slow-device", len(self.devices))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if why_not():
+                raise ConfigError(f"--slow-device: {why_not()}")
 
     def concrete_job(self) -> JobConfig:
         """The job with ``updates = "auto"`` decided for these devices (``concrete_updates``)."""

@@ -101,12 +101,14 @@ def compare(
     devices: Sequence[str] = ("cpu",),
     memory_budget: str = "",
     lr_scaling: str = "linear",
+    slow_device: str = "",
 ) -> dict[str, dict]:
     """``job`` in several modes side by side, as ``wavelet compare`` does (``report.md`` and the
     runs in ``out``); per mode its figures (``run_dir``, ``samples_per_s``, ``time_to_target_s``,
     ``final_score``, ``score_curve``, memory peaks, ``staleness``; with ``memory_budget`` also the
     ``batch`` per task and ``lr`` it chose) or ``{"error": why}``. The memory timelines stay in
-    ``out`` (``metrics.json``, ``memory.png``)::
+    ``out`` (``metrics.json``, ``memory.png``). ``slow_device`` (``"D:PCT"``) caps one device's
+    processes alike for every mode (a slow or shared device)::
 
         figures = wavelet.compare(job, ["ticktock", "allreduce"], target=0.9)
         print(figures["ticktock"]["time_to_target_s"], figures["allreduce"]["time_to_target_s"])
@@ -122,7 +124,8 @@ def compare(
     modes = check_modes(list(modes or default_modes(job, list(devices), plan is not None)))
     out = Path(out) if out else new_run_dir("compare")  # once nothing more can be refused
     try:
-        results = compare_modes(job, list(devices), modes, out, target, budget=plan)
+        settings = {"slow_device": slow_device} if slow_device else None
+        results = compare_modes(job, list(devices), modes, out, target, settings, budget=plan)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return {r.name: _mode_figures(r, budget=plan is not None) for r in results}

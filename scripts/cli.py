@@ -56,7 +56,7 @@ def _add_sweep_flags(p: argparse.ArgumentParser, name: str) -> None:
         skip=tuple(
             f.name
             for f in dataclasses.fields(LaunchConfig)
-            if f.name not in ("devices", "cuda_memory_gib")
+            if f.name not in ("devices", "cuda_memory_gib", "slow_device")
         ),
     )
     p.add_argument("--out", help=f"report directory (default runs/{name}-<time>)")

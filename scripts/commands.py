@@ -164,7 +164,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             modes,
             out,
             args.target_acc,
-            {"cuda_memory_gib": args.cuda_memory_gib},
+            {"cuda_memory_gib": args.cuda_memory_gib, "slow_device": args.slow_device},
             plan,
             fork_server=args.fork_server,
         )

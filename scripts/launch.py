@@ -101,6 +101,8 @@ def launch(
         else:
             addresses = []
             workers = _start_ranks(job, job_file, job_cfg)
+        if config.slow_device:
+            _cap_device(job, config.slow_device, workers)
         _say(quiet, f"run dir {run_dir}: {describe(config, job_cfg)}")
         if job_cfg.precision == "fp16" and any(d.startswith("cpu") for d in config.devices):
             print(FP16_ON_CPU, file=sys.stderr)
@@ -336,6 +338,18 @@ def _start_ranks(job: Job, job_file: Path, job_cfg: JobConfig) -> list[Child]:
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}  # all on this host
         ranks.append(job.spawn(f"worker-{rank}", args, rank_env))
     return ranks
+
+
+def _cap_device(job: Job, spec: str, workers: list[Child]) -> None:
+    """``--slow-device D:PCT``: the processes of device D (its workers, or its all-reduce
+    ranks) under one CPU cap, whatever the mode (common/throttle.py)."""
+    from wavelet.common.throttle import CpuCap, parse_cap
+
+    device, pct = parse_cap(spec, "--slow-device", len(job.config.devices))
+    job.cap = CpuCap(f"device{device}", cores=1, pct=pct)
+    for (_, _, index), child in zip(_worker_processes(job), workers, strict=True):
+        if index == device:
+            job.cap.add(child.proc.pid)
 
 
 def _free_port(host: str) -> int:

@@ -42,12 +42,14 @@ def summarize(
     updates, staleness per wave). ``job_wide``: samples and samples/s of every node's workers
     (under torchrun; the records here are this node's only)."""
     progress.read()
-    membership = {}
+    membership, update_rule = {}, ""
     if addresses:
         metrics = evaluate_shards(addresses, job_cfg, keys=keys, save_to=run_dir)
         shard_stats = fetch_stats(addresses, keys=keys)
         stats = merge_wave_stats(shard_stats)
         membership = merge_membership(shard_stats)
+        # what each shard's update rule did (balanced batches say when and why)
+        update_rule = "; ".join(sorted({s.get("update_rule", "") for s in shard_stats} - {""}))
         for a in addresses if stop_shards else ():
             call_shard(a, Op.SHUTDOWN, keys=keys, body=AdminRequest(token=admin_token).to_wire())
         # the processes whose shard moved to a standby still run (they host standbys): their
@@ -85,6 +87,7 @@ def summarize(
         "wire_overflows": sum(progress.wire_overflows.values()),
         "waves": stats,
         "membership": membership,  # epoch, joins and leaves the shards saw
+        "update_rule": update_rule,
         "throughput_of": throughput_of,
         # the trained model's state_dict: the shards' weights pulled above, or all-reduce's
         # rank 0's (wavelet.load_model builds the model with it)
@@ -162,6 +165,8 @@ def format_summary(s: dict) -> str:
         f"throughput: {s['samples_per_s']:.0f} samples/s ({s['samples']} samples in "
         f"{s['train_seconds']:.1f}s, all waves)",
     ]
+    if s.get("update_rule"):
+        lines.append(f"update rule: {s['update_rule']}")
     members = s.get("membership") or {}
     if members.get("leaves") or s.get("workers_lost"):
         lines.append(

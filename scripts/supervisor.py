@@ -95,6 +95,7 @@ class Job:
     admin_token: str = ""
     children: list[Child] = field(default_factory=list)
     restarts: int = 0
+    cap = None  # --slow-device: the CpuCap of one device's processes, removed at teardown
     # children that may die without a restart or a failure: shards whose standby takes over
     expendable: set[str] = field(default_factory=set)
     _noted: set[str] = field(default_factory=set, repr=False)
@@ -220,4 +221,7 @@ class Job:
         if self._server is not None and self._owns_server:
             self._server.close()
         self._server = None
+        if self.cap is not None:
+            self.cap.close()
+            self.cap = None
         remove_segments(run_prefix(self.run_dir))

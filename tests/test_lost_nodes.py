@@ -161,3 +161,26 @@ def _free_port() -> int:
     from helpers import free_port
 
     return free_port()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_worker_costs_the_other_no_step(shard_daemons, tmp_path):
+    """Wave turns across two workers (each wave waits for the other's update), and worker b
+    killed with SIGKILL: a finishes its epochs, every step of them, exit 0."""
+    job = [*JOB, "--updates", "wave-turns", "--waves", "1"]
+    daemons = shard_daemons([*job, "--epochs", "4"], count=1, expect_waves=2)
+    a_records = tmp_path / "a" / "records" / "worker-0-wave-0.jsonl"
+    b_records = tmp_path / "b" / "records" / "worker-1-wave-0.jsonl"
+    common = ["--updates", "wave-turns"]
+    a_args = _worker_args(daemons, tmp_path / "a", *common, workers=2)
+    a_args[a_args.index("--epochs") + 1] = "4"
+    b_args = _worker_args(daemons, tmp_path / "b", *common, rank=1, workers=2)
+    with forked(b_args, tmp_path / "b.log") as b, forked(a_args, tmp_path / "a.log") as a:
+        wait_for(lambda: len(_steps(b_records)) >= 5, 90, "training did not start")
+        b.send_signal(signal.SIGKILL)
+        code = a.wait(150)
+    assert code == 0, (tmp_path / "a.log").read_text()[-2000:]
+    steps = _steps(a_records)
+    per_epoch = next(r for r in read_records(a_records) if r["kind"] == "start")["steps_per_epoch"]
+    assert len(steps) == 4 * per_epoch and steps[-1]["clock"] == 4 * per_epoch - 1

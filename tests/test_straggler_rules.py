@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from conftest import CHILD_ENV
 from helpers import ServiceWave, service_for, tiny_model
 
+from wavelet.common import throttle
 from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import Op
 from wavelet.common.sharding import chunk_view
 from wavelet.ps.synchronous import SyncGroups
-from wavelet.scripts import throttle
 
 ROOT = Path(__file__).resolve().parent.parent
 
