@@ -167,10 +167,8 @@ def timeline_plot(result: dict, nodes: int, path: Path) -> None:
                     rec = json.loads(line)
                     if rec.get("kind") == "step":
                         steps.setdefault(n, []).append((rec["t"], rec["samples"]))
-                    elif rec.get("kind") == "eval" and "weights_t" in rec:
-                        scores.append(
-                            (rec["weights_t"], rec.get(result.get("metric") or "accuracy"))
-                        )
+                    elif rec.get("kind") == "eval":  # t: when the tested weights were current
+                        scores.append((rec["t"], rec.get("score", rec.get("test_acc"))))
     if not steps:
         return
     t0 = min(t for s in steps.values() for t, _ in s)
@@ -183,8 +181,8 @@ def timeline_plot(result: dict, nodes: int, path: Path) -> None:
         top.plot(list(xs), [bins.get(x, 0) for x in xs], label=f"node {n}")
     for node, start, end, _pct in result.get("timeline", {}).get("caps", []):
         end = end if end != float("inf") else max(t for s in steps.values() for t, _ in s)
-        for ax in (top, bottom):
-            ax.axvspan(start - t0, end - t0, alpha=0.12, color=f"C{node}")
+        for ax in (top, bottom):  # from the first step on: a cap set before it shades no time
+            ax.axvspan(max(0.0, start - t0), end - t0, alpha=0.12, color=f"C{node}")
     for e in result.get("timeline", {}).get("events", []):
         for ax in (top, bottom):
             ax.axvline(e["t"] - t0, color=f"C{e['node']}", linestyle="--", linewidth=1)

@@ -243,3 +243,41 @@ def test_a_shard_on_a_node_measured_slow_moves_to_its_standbys_faster_node(tmp_p
         assert not placement[0].due()
     finally:
         service.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_slow_device_caps_that_devices_processes_in_every_mode(tmp_path):
+    """``--slow-device 0:50``: the worker of device 0 (PS mode) or its rank (all-reduce) runs in
+    a capped cgroup while the job runs; the cgroup goes with the job. A device the job does not
+    have is refused in one line."""
+    from conftest import forked, wait_for
+    from helpers import processes_mentioning
+
+    why = throttle.why_not()
+    if why:
+        pytest.skip(why)
+    for mode in ("ps", "allreduce"):
+        run_dir = tmp_path / mode
+        args = ["launch", "--run-dir", str(run_dir), "--epochs", "30", "--mode", mode]
+        args += ["--slow-device", "0:50", "--shards", "1"]
+        with forked(args, tmp_path / f"{mode}.log") as launcher:
+            records = run_dir / "records" / "worker-0-wave-0.jsonl"
+            wait_for(lambda records=records: records.exists(), 90, "training did not start")
+            capped = [
+                pid
+                for pid in processes_mentioning(str(run_dir))
+                if "wavelet-device0" in Path(f"/proc/{pid}/cgroup").read_text()
+            ]
+            commands = [Path(f"/proc/{p}/cmdline").read_bytes() for p in capped]
+            assert capped and all(b"worker" in c for c in commands), commands
+            launcher.terminate()
+            launcher.wait(60)
+        left = [p for p in throttle.V1.glob("wavelet-device0-*")] + [
+            p for p in throttle.V2.glob("wavelet-device0-*")
+        ]
+        assert not left, left
+    from conftest import run_wavelet
+
+    bad = run_wavelet("launch", "--slow-device", "3:50", timeout=60)
+    assert bad.returncode == 2 and "is not one of the 1" in bad.stderr, bad.stderr
