@@ -206,9 +206,9 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
         change (every node's workers restart, from rank 0's checkpoint: a new group of all
         nodes); a PS node's worker joins the running job, nobody restarts."""
         if allreduce:
-            for m in range(cluster.nodes):
+            for m in range(cluster.nodes):  # torchrun's way: SIGTERM, a grace, then SIGKILL
                 if m != n:
-                    caps[m].kill_all()
+                    caps[m].stop_all()
             spent.extend(nodes.values())
             generation[0] += 1000  # a new rendezvous for the new group
             for m in range(cluster.nodes):
@@ -252,6 +252,11 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
     if codes[0] != 0 or any(c != 0 for n, c in enumerate(codes) if n not in lost):
         result["error"] = f"exit codes {codes}; see {run_dir}/node*.log"
         return result
+    # the copies an all-reduce group took before a restart stopped it, tested now: its time to
+    # target counts every life of the job, as Wavelet's does
+    from wavelet.worker.evaluate import test_saved_copies
+
+    test_saved_copies(run_dir / "node0")
     merged = merge_nodes(run_dir, cluster.nodes)
     figures = run_figures(merged, args.target_acc)
     samples = figures.samples_per_s * figures.train_seconds

@@ -50,8 +50,8 @@ class Shards:
                 sys.executable, "-m", "wavelet.scripts.cli", "--log-level", "WARNING", "ps",
                 "--shards", str(count), "--shard-index", str(i), "--staleness", staleness,
                 "--updates", "async", "--expect-waves", expect, "--ready-file", str(ready),
-                "--run-dir", str(run_dir), "--set", "max_waves=256",
-                "--set", "wave_timeout_s=600", "--set", "request_timeout_s=600",
+                "--run-dir", str(run_dir), "--max-waves", "256",
+                "--wave-timeout-s", "600",
             ]  # fmt: skip
             log = open(run_dir / f"ps-{i}.log", "wb")  # noqa: SIM115 (the process keeps it)
             self.procs.append(

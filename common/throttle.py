@@ -85,6 +85,19 @@ class CpuCap:
         except OSError:
             return []
 
+    def stop_all(self, grace_s: float = 30.0) -> None:
+        """SIGTERM every process in the cgroup, then SIGKILL what is left after ``grace_s``
+        (as torchrun stops its workers)."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.kill_all()
+
     def kill_all(self, timeout_s: float = 10.0) -> None:
         """SIGKILL every process in the cgroup, however it got there (nothing outlives a run)."""
         deadline = time.monotonic() + timeout_s

@@ -152,6 +152,7 @@ def config_from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
 
 
 _JOB_FIELDS = [f for f in dataclasses.fields(JobConfig) if f.metadata.get("flag") != ""]
+_JOB_NAMES = {f.name for f in dataclasses.fields(JobConfig)}
 _OPTIMIZER_FLAGS = {"name": "--optimizer", "lr": "--lr", "weight_decay_on": "--weight-decay-on"}
 
 
@@ -206,5 +207,12 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
                 value = raw  # names stay strings even when they look like numbers
             apply_override(data, dest.split(".")[1:], value)
     for text in args.overrides:
-        apply_override(data, *parse_override(text))
+        path, value = parse_override(text)
+        if len(path) == 1 and path[0] not in _JOB_NAMES and hasattr(args, path[0]):
+            flag = "--" + path[0].replace("_", "-")
+            raise ConfigError(
+                f"--set {text!r}: {path[0]} is a flag of this command, not a job setting: "
+                f"give it as {flag} {value}"
+            )
+        apply_override(data, path, value)
     return from_dict(JobConfig, data)

@@ -213,6 +213,7 @@ class _Rank:
 
     def __init__(self, cfg: WorkerConfig, device: torch.device):
         job = cfg.job
+        self.job = job
         self.device = device
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.run_dir = Path(cfg.run_dir)
@@ -390,6 +391,11 @@ class _Rank:
             self.records.write(eval_record("final", self.evaluation, metrics))
             # the copies taken during training (eval_every_s), now that the model is free
             self.tests.test_copies(self.model, self.records.write, stop)
+        if self.rank == 0:
+            # a rank that failed or was stopped (a peer lost, its group restarted) leaves the
+            # copies it has not tested on disk: they still tell when the model reached what
+            # (test_saved_copies tests them later), and the restart does not wait for them
+            self.tests.save_untested(self.run_dir / "untested", self.job)
         if self.meter.trace:
             self.records.write({"kind": "memory_trace", "wave": 0, "trace": self.meter.trace})
         self.records.close()

@@ -3,6 +3,7 @@ the shards' weights at the end."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -114,6 +115,17 @@ class TestSnapshots:
             write(self._test(model, epoch, taken))
         self.taken.clear()
 
+    def save_untested(self, folder: Path, job: JobConfig) -> None:
+        """Keep the copies not tested yet on disk, with the job (a rank stopped or failed
+        early: its group restarts, and its copies still tell when the model reached what), for
+        ``test_saved_copies``."""
+        if not self.taken:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        saved = {"job": dataclasses.asdict(job), "copies": self.taken}
+        torch.save(saved, folder / f"copies-{time.time():.3f}.pt")
+        self.taken = []
+
     def _test(self, model: torch.nn.Module, epoch: int, taken_at: float | None = None) -> dict:
         args = (model, self.dataset, self.device, self.evaluation, epoch, taken_at)
         return self.compute(timed_eval, *args) if self.compute else timed_eval(*args)
@@ -164,3 +176,34 @@ def evaluate_shards(
     if save_to is not None:
         save_trained_model(model, save_to)
     return evaluate(model, dataset, torch.device(device), load_evaluation(job))
+
+
+def test_saved_copies(run_dir: str | Path, device: str = "cpu") -> int:
+    """Test the copies a stopped rank saved (``TestSnapshots.save_untested``) with the run's
+    job, append their records to ``records/worker-0-saved-copies.jsonl`` (each stamped with the
+    time its copy was taken), remove them; returns how many were tested."""
+    from wavelet.common.records import RecordWriter
+    from wavelet.common.settings import from_dict
+
+    run_dir = Path(run_dir)
+    files = sorted((run_dir / "untested").glob("copies-*.pt"))
+    if not files:
+        return 0
+    records = RecordWriter(run_dir / "records" / "worker-0-saved-copies.jsonl")
+    tested = 0
+    try:
+        for path in files:
+            saved = torch.load(path, weights_only=True)
+            job = from_dict(JobConfig, saved["job"])
+            dataset, model = build_dataset_and_model(job, torch.device(device))
+            evaluation = load_evaluation(job)
+            for taken, epoch, state in saved["copies"]:
+                model.load_state_dict(state)
+                records.write(
+                    timed_eval(model, dataset, torch.device(device), evaluation, epoch, taken)
+                )
+                tested += 1
+            path.unlink()
+    finally:
+        records.close()
+    return tested
