@@ -53,6 +53,8 @@ class OptimizerConfig:
 
         opt = wavelet.OptimizerConfig(name="adamw", lr=1e-3, kwargs={"weight_decay": 0.01})
         job = wavelet.JobConfig(optimizer=opt)  # or optimizer="adamw", lr=1e-3
+
+    Arguments the optimizer does not take are a ConfigError at once, with the optimizer's words.
     """
 
     name: str = setting("sgd", help="torch.optim optimizer by name, e.g. sgd, adam, adamw")

@@ -32,6 +32,8 @@ class ConfigError(ValueError):
             wavelet.JobConfig(epoch=3)
         except wavelet.ConfigError as e:
             print(e)  # unknown setting 'epoch'; did you mean 'epochs'?
+
+    It is a ``ValueError``, so code that catches those catches it too.
     """
 
 
