@@ -17,5 +17,5 @@ SEEDS=${SEEDS:-0,1,2}
 run equal --modes ticktock,ticktock-kofn,allreduce --seeds "$SEEDS"
 run slow --modes ticktock,ticktock-kofn,bsp,allreduce --seeds "$SEEDS" --slow 1:50
 run noisy --modes ticktock,ticktock-kofn,allreduce --seeds "$SEEDS" --noisy 1:10:10:30
-run leave-join --modes ticktock,allreduce --seeds "$SEEDS" --leave 1@10 --join 1@25
+run leave-join --modes ticktock,allreduce --seeds "$SEEDS" --leave 1@5 --join 1@20
 run preempt --modes ticktock --seeds 0 --preempt 1@10

@@ -263,7 +263,13 @@ def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, p
     summary = json.loads((run_dir / "node0" / "summary.json").read_text())
     first_event = min((e["t"] for e in disturbances.timeline.events), default=None)
     result.update(
-        samples_per_s=summary.get("samples_per_s", figures.samples_per_s),
+        # a job that lost or gained a node: its summary covers the workers torchrun saw end;
+        # the merged records cover every life of every node (one clock here)
+        samples_per_s=(
+            figures.samples_per_s
+            if args.events
+            else summary.get("samples_per_s", figures.samples_per_s)
+        ),
         time_to_target_s=figures.time_to_target_s,
         final_score=figures.final_score,
         metric=figures.metric,

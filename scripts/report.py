@@ -102,6 +102,12 @@ def summarize(
         )
         if job_wide.get("workers_lost"):
             summary["workers_lost"] = job_wide["workers_lost"]
+            # a lost worker published nothing, and one that joined in its place (wavelet worker
+            # --join) is outside torchrun's store: their samples are in their own run dirs
+            summary["throughput_of"] += (
+                f" that finished under torchrun (without the {job_wide['workers_lost']} lost "
+                "and any that joined: see their own run dirs' records)"
+            )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
