@@ -10,11 +10,15 @@ line what is missing, and nothing is started without it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import time
 import uuid
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 V2 = Path("/sys/fs/cgroup")
 V1 = Path("/sys/fs/cgroup/cpu")
@@ -109,16 +113,24 @@ class CpuCap:
                     pass
             time.sleep(0.05)
 
-    def close(self) -> None:
-        """Kill what is left in it and remove the cgroup."""
-        self.kill_all()
-        for _ in range(50):
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Kill what is left in it and remove the cgroup. The cap is lifted first: a capped
+        process being killed on a busy machine may take a while to exit, and the cgroup
+        cannot go before it has."""
+        with contextlib.suppress(OSError):
+            self.set(None)
+        self.kill_all(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
             try:
                 self.path.rmdir()
                 return
             except FileNotFoundError:
                 return
-            except OSError:
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    log.warning("could not remove %s (%s): remove it with rmdir", self.path, e)
+                    return
                 time.sleep(0.05)  # the last processes are still being reaped
 
 

@@ -33,7 +33,7 @@ from wavelet.scripts.commands import (
 )
 from wavelet.scripts.flags import Parser, add_config_flags, add_job_flags, number, usage_exit
 from wavelet.scripts.forkserver import ForkServer
-from wavelet.scripts.signals import interrupt_on_sigint
+from wavelet.scripts.signals import interrupt_on_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None, entry_point: bool | None = None) -> int:
     # the server and its daemons leave by SystemExit through this frame, as from a new Python
     own_process = argv is None if entry_point is None else entry_point
     args.fork_server = _job_fork_server(args) if own_process else None
-    interrupt_on_sigint()  # daemons replace it with their clean stop (on_signals)
+    interrupt_on_stop_signals()  # daemons replace it with their clean stop (on_signals)
     try:
         return args.run(args)
     except ConfigError as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -404,6 +405,7 @@ def _allreduce_rank(config: RunConfig, role: Role) -> NoReturn:
     from wavelet.scripts.signals import stop_with_parent
 
     stop_with_parent(lambda: os._exit(1), grace_s=0.0)  # a rank alone has nothing to save
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nor when torchrun stops its group
 
     from wavelet.worker.allreduce import AllReduceWorker, exit_rank, run_rank
 

@@ -1,5 +1,6 @@
 """SIGINT and SIGTERM become a daemon's clean stop (its ``stop`` callable), for every command
-that runs one (``wavelet ps``, ``worker``, ``run``); SIGINT interrupts the launcher."""
+that runs one (``wavelet ps``, ``worker``, ``run``); both interrupt the launcher (``launch``,
+``compare``, ``tune``), which then stops its job."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ def on_signals(stop: Callable[[], None]) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def interrupt_on_sigint() -> None:
-    """SIGINT raises KeyboardInterrupt (the launcher then tears its job down), even in a process
-    started with SIGINT ignored, as a shell script's background jobs are: Python installs its
-    handler only where SIGINT was not ignored at start, and the daemons already stop on it."""
+def interrupt_on_stop_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (the launcher then tears its job down and removes
+    what it made, such as a --slow-device cgroup), even in a process started with SIGINT ignored,
+    as a shell script's background jobs are: Python installs its handler only where SIGINT was not
+    ignored at start, and the daemons already stop on both."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def stop_with_parent(stop: Callable[[], None], every_s: float = 0.5, grace_s: float = 30.0) -> None:

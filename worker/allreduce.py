@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -39,6 +40,28 @@ from wavelet.worker.memory import SavedActivationMeter, cap_cuda_memory, device_
 from wavelet.worker.metrics import serve_worker_metrics
 
 log = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 300  # how long a rank waits for the others to reach the rendezvous
+
+
+def rendezvous_args() -> dict:
+    """``env://``, except under torchrun's shared agent store: there a restarted group would find
+    the keys of the group before it, and a rank could dial a dead peer's address (gloo's
+    "connection refused", pytorch/pytorch#135712). Each restart keeps to keys of its own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return {"init_method": "env://"}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=STORE_TIMEOUT_S),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"wavelet/allreduce/attempt-{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 class AllReduceWorker:
@@ -68,7 +91,7 @@ class AllReduceWorker:
             torch.cuda.set_device(device)
             cap_cuda_memory(device, cfg.cuda_memory_gib)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, **rendezvous_args())
         try:
             return self._train(device)
         finally:
