@@ -167,12 +167,13 @@ def _free_port() -> int:
 @pytest.mark.timeout(180)
 def test_a_killed_worker_costs_the_other_no_step(shard_daemons, tmp_path):
     """Wave turns across two workers (each wave waits for the other's update), and worker b
-    killed with SIGKILL: a finishes its epochs, every step of them, exit 0."""
-    job = [*JOB, "--updates", "wave-turns", "--waves", "1"]
+    killed with SIGKILL: a finishes its epochs, every step of them, exit 0. Equal batches: the
+    faster wave would otherwise take more samples a step, and fewer steps (ps/balance.py)."""
+    common = ["--updates", "wave-turns", "--balance-batches", "off"]
+    job = [*JOB, *common, "--waves", "1"]
     daemons = shard_daemons([*job, "--epochs", "4"], count=1, expect_waves=2)
     a_records = tmp_path / "a" / "records" / "worker-0-wave-0.jsonl"
     b_records = tmp_path / "b" / "records" / "worker-1-wave-0.jsonl"
-    common = ["--updates", "wave-turns"]
     a_args = _worker_args(daemons, tmp_path / "a", *common, workers=2)
     a_args[a_args.index("--epochs") + 1] = "4"
     b_args = _worker_args(daemons, tmp_path / "b", *common, rank=1, workers=2)

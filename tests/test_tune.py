@@ -150,7 +150,8 @@ def test_ctrl_c_stops_the_whole_sweep_and_reports_what_ran(tmp_path):
     out = tmp_path / "tune"
     args = ["tune", "--bounds", "1,2", "--epochs", "500", "--out", str(out)]
     with forked(args, tmp_path / "tune.log") as proc:
-        wait_for(lambda: list(out.glob("00-*/records/worker-0-wave-0.jsonl")), 120, "no training")
+        first = "00-*/seed*/records/worker-0-wave-0.jsonl"  # the first setting's first seed
+        wait_for(lambda: list(out.glob(first)), 120, "no training")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 130, (tmp_path / "tune.log").read_text()[-3000:]
     report = (out / "report.md").read_text()
