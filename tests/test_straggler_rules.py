@@ -3,6 +3,7 @@ its samples (one process on the concatenated batch, to 1e-5); k of n with every 
 bulk-synchronous; a late push is folded or dropped as the policy says. And the CPU caps the
 benchmarks emulate slow nodes with, and their bad input."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -245,6 +246,21 @@ def test_a_shard_on_a_node_measured_slow_moves_to_its_standbys_faster_node(tmp_p
         service.close()
 
 
+def _capped(run_dir: Path) -> dict[int, list[str]]:
+    """The processes of this run in a --slow-device cgroup, and the cgroups' names."""
+    from helpers import processes_mentioning
+
+    found = {}
+    for pid in processes_mentioning(str(run_dir)):
+        try:
+            names = re.findall(r"wavelet-device0-\w+", Path(f"/proc/{pid}/cgroup").read_text())
+        except OSError:  # it ended meanwhile
+            continue
+        if names:
+            found[pid] = names
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_slow_device_caps_that_devices_processes_in_every_mode(tmp_path):
@@ -252,7 +268,6 @@ def test_slow_device_caps_that_devices_processes_in_every_mode(tmp_path):
     a capped cgroup while the job runs; the cgroup goes with the job. A device the job does not
     have is refused in one line."""
     from conftest import forked, wait_for
-    from helpers import processes_mentioning
 
     why = throttle.why_not()
     if why:
@@ -262,21 +277,16 @@ def test_slow_device_caps_that_devices_processes_in_every_mode(tmp_path):
         args = ["launch", "--run-dir", str(run_dir), "--epochs", "30", "--mode", mode]
         args += ["--slow-device", "0:50", "--shards", "1"]
         with forked(args, tmp_path / f"{mode}.log") as launcher:
-            records = run_dir / "records" / "worker-0-wave-0.jsonl"
-            wait_for(lambda records=records: records.exists(), 90, "training did not start")
-            capped = [
-                pid
-                for pid in processes_mentioning(str(run_dir))
-                if "wavelet-device0" in Path(f"/proc/{pid}/cgroup").read_text()
-            ]
+            wait_for(lambda run_dir=run_dir: _capped(run_dir), 90, "no process under the cap")
+            capped = _capped(run_dir)
             commands = [Path(f"/proc/{p}/cmdline").read_bytes() for p in capped]
-            assert capped and all(b"worker" in c for c in commands), commands
+            assert all(b"worker" in c for c in commands), commands
             launcher.terminate()
             launcher.wait(60)
-        left = [p for p in throttle.V1.glob("wavelet-device0-*")] + [
-            p for p in throttle.V2.glob("wavelet-device0-*")
-        ]
-        assert not left, left
+        groups = {name for names in capped.values() for name in names}
+        paths = [root / g for g in groups for root in (throttle.V1, throttle.V2)]
+        left = [p for p in paths if p.exists()]
+        assert len(groups) == 1 and not left, (groups, left)
     from conftest import run_wavelet
 
     bad = run_wavelet("launch", "--slow-device", "3:50", timeout=60)
