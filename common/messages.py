@@ -248,6 +248,7 @@ class WeightsReply(Body):
     part: int = 0
     parts: int = 1
     batch: int = 0  # the batch this wave should take next (balanced batches; 0: unchanged)
+    slot: int = -1  # shm: the weight slot with the trainable chunks (-1: all in the pull segment)
 
     def __post_init__(self) -> None:
         if not 0 <= self.part < self.parts:
@@ -264,6 +265,12 @@ class AttachReply(Body):
     size: int = 0  # bytes of each segment
     offsets: list[int] = field(default_factory=list)  # byte offset of each chunk, plan order
     reason: str = ""  # why the shard offers TCP (no space for segments, --no-shm)
+    # the shard's weight slots (ps/weight_slots.py): its trainable chunks in their own dtype,
+    # read in place; none where the shard could not make them (then the pull segment has all)
+    weight_slots: list[str] = field(default_factory=list)
+    weight_nonce: str = ""
+    weight_size: int = 0
+    weight_offsets: list[int] = field(default_factory=list)  # per trainable chunk, plan order
 
 
 @dataclass(frozen=True)
@@ -282,6 +289,9 @@ class StatsReply(Body):
     checkpoint_failures: int
     waves: dict[str, Any]
     members: dict[str, int] = field(default_factory=dict)  # epoch, live, joins, leaves
+    # pulls through shared memory: read in place from a weight slot, or copied into the wave's
+    # segment; and how often the weights moved slots before an update (ps/weight_slots.py)
+    shm_reads: dict[str, int] = field(default_factory=dict)
 
 
 REPLY_BODIES: dict[str, type[Body]] = {

@@ -1,9 +1,10 @@
 """The shard's data path: where a wave's gradients come from and where its weights go.
 
 Two ways, behind one small interface: tensor frames over ZeroMQ, or the wave's shared-memory
-segments (``ps/segments.py``) when it is on the shard's host. The rules (``ps/service.py``) see
-plain tensors and hand back plain tensors; only this layer knows which way they travel, as
-ps-lite's ``Van`` sits below its request handler.
+segments (``ps/segments.py``) when it is on the shard's host, where the wave reads the trainable
+weights straight from the shard's own memory (``ps/weight_slots.py``). The rules
+(``ps/service.py``) see plain tensors and hand back plain tensors; only this layer knows which
+way they travel, as ps-lite's ``Van`` sits below its request handler.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from wavelet.common.messages import AttachReply
 from wavelet.common.protocol import ErrorCode, Header, ProtocolError, wave_name
 from wavelet.common.shm import run_prefix
 from wavelet.ps.segments import NoSpaceForSegments, SegmentStore, WaveSegments
-from wavelet.ps.shard import ChunkSpec
+from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import WaveId
+from wavelet.ps.weight_slots import WeightSlots
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,14 @@ class Outgoing:
 
 
 class ShardDataPath:
-    """Frames or segments, per wave. Memory: 2 x (attached waves) x (the shard's bytes)."""
+    """Frames or segments, per wave. Memory: 2 x (attached waves) x (the shard's bytes), and
+    the weight slots' 3 x (its trainable bytes) once a wave attaches through shared memory."""
 
     def __init__(self, config: PSConfig, pid: int):
         self.segments: SegmentStore | None = None
+        self.slots: WeightSlots | None = None
+        self.shard: Shard | None = None
+        self.reads = {"in_place": 0, "copied": 0}  # shared-memory pulls, by how they were served
         if config.shm:
             # per run dir, so that a restarted shard or the launcher finds what a killed one left
             base = run_prefix(config.run_dir) if config.run_dir else f"wavelet-{pid}-"
@@ -78,15 +84,22 @@ class ShardDataPath:
         shm: bool,
         part_bytes: int = 0,
     ) -> list[Outgoing]:
-        """``values`` for ``wave``: zero-copy frames, or copied into its pull segment (the wave
-        reads it before its next request, so nothing else writes it meanwhile). Frames asked
-        for in parts (``part_bytes``) go as one message per run of chunks of about that many
-        bytes, in the shard's order, so the wave can start on the first layers' weights while
-        the rest are on the wire (worker/pull_hooks.py)."""
+        """``values`` for ``wave``: zero-copy frames, or through shared memory: the trainable
+        chunks read in place from a weight slot (``header.body.slot``), the rest copied into
+        the wave's pull segment (it reads it before its next request, so nothing else writes
+        it meanwhile). Frames asked for in parts (``part_bytes``) go as one message per run of
+        chunks of about that many bytes, in the shard's order, so the wave can start on the
+        first layers' weights while the rest are on the wire (worker/pull_hooks.py)."""
         if shm and wave is not None:
-            for view, value in zip(self._segments_of(wave).pull_views, values, strict=True):
-                view.copy_(value)
-            return [Outgoing(peer, header)]
+            slot = self._pin(wave)
+            self.reads["copied" if slot < 0 else "in_place"] += 1
+            specs = self.shard.specs if self.shard is not None else []
+            for i, (view, value) in enumerate(
+                zip(self._segments_of(wave).pull_views, values, strict=True)
+            ):
+                if slot < 0 or not specs[i].trainable:
+                    view.copy_(value)
+            return [Outgoing(peer, dataclasses.replace(header, body={**header.body, "slot": slot}))]
         runs = _runs(values, part_bytes)
         if len(runs) == 1:
             return [Outgoing(peer, header, values)]
@@ -103,21 +116,21 @@ class ShardDataPath:
             for part, (start, stop) in enumerate(runs)
         ]
 
-    def attach(
-        self, wave: WaveId, transport: str, specs: list[ChunkSpec], version: int
-    ) -> AttachReply:
+    def attach(self, wave: WaveId, transport: str, shard: Shard) -> AttachReply:
         """How ``wave`` exchanges tensors from now on: new segments when it asks for shared
         memory and the shard can make them, else TCP and why."""
         self.detach(wave)
+        version = shard.version
         if transport == "tcp":
             return AttachReply(version, "tcp")
         if self.segments is None:
             return AttachReply(version, "tcp", reason="the shard was started with --no-shm")
         try:
-            segments = self.segments.attach(wave, specs)
+            segments = self.segments.attach(wave, shard.specs)
         except NoSpaceForSegments as e:
             log.warning("wave %s uses TCP: %s", wave_name(*wave), e)
             return AttachReply(version, "tcp", reason=str(e))
+        slots = self._slots_for(shard)
         return AttachReply(
             version=version,
             transport="shm",
@@ -126,15 +139,55 @@ class ShardDataPath:
             nonce=segments.push.nonce,
             size=segments.push.size,
             offsets=segments.offsets,
+            weight_slots=slots.names if slots else [],
+            weight_nonce=slots.nonce if slots else "",
+            weight_size=slots.size if slots else 0,
+            weight_offsets=slots.offsets if slots else [],
         )
 
+    def read_counts(self) -> dict[str, int]:
+        return {**self.reads, "slot_moves": self.slots.moves if self.slots else 0}
+
+    def done_reading(self, wave: WaveId) -> None:
+        """A new request from ``wave``: the weight slot it last read is free again."""
+        if self.slots is not None:
+            self.slots.release(wave)
+
     def detach(self, wave: WaveId) -> None:
+        self.done_reading(wave)
         if self.segments:
             self.segments.detach(wave)
 
     def close(self) -> None:
+        if self.shard is not None:
+            self.shard.memory = None
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
         if self.segments:
             self.segments.close()
+
+    def _slots_for(self, shard: Shard) -> WeightSlots | None:
+        """The shard's weight slots, made at the first shared-memory attach (None: the shard
+        has no trainable chunks, or no room for them; its waves get copies). Not on a 16-bit
+        wire: every wave computes on the rounded weights, as over TCP, and rounding is a copy
+        anyway (into the wave's segment, one pass)."""
+        native = all(s.wire == s.desc for s in shard.specs if s.trainable)
+        if self.slots is None and self.segments is not None and shard.params and native:
+            try:
+                self.slots = WeightSlots(self.segments.prefix + "w-", shard.specs)
+            except NoSpaceForSegments as e:
+                log.warning("local waves read copies of the weights: %s", e)
+                return None
+            self.shard = shard
+            shard.memory = self.slots
+            self.slots.place(list(shard.params.values()))
+        return self.slots
+
+    def _pin(self, wave: WaveId) -> int:
+        if self.slots is None or self.shard is None:
+            return -1
+        return self.slots.pin(wave, list(self.shard.params.values()))
 
     def _segments_of(self, wave: WaveId) -> WaveSegments:
         segments = self.segments.get(wave) if self.segments else None

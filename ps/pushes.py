@@ -32,6 +32,7 @@ class PushesAndReads:
         """Validate a push completely, then apply or accumulate it, then record it."""
         started = time.perf_counter()
         wave = self.members.registered(h, peer)
+        self.datapath.done_reading(wave)  # a wave's next request: it has read its last weights
         self.shard.check_plan(h.plan)
         clock = self.clocks.clocks[wave]
         self._check_push_order(wave, clock, h)
@@ -105,6 +106,7 @@ class PushesAndReads:
         shm: bool = False,
         part_bytes: int = 0,
     ) -> list[Outgoing]:
+        self.datapath.done_reading(wave)  # parked or not, it has read its last weights
         if self._may_read(wave, clock):
             return self._weights(peer, request_id, wave, clock, 0.0, action, shm, part_bytes)
         self.parked.park(peer.identity, request_id, wave, clock, action, shm, part_bytes)

@@ -1,7 +1,9 @@
 """The shared-memory segments a shard keeps for the waves on its host (see common/shm.py).
 
 Each attached wave has two segments sized by this shard's chunks: the wave writes its gradients
-into its push segment, and the shard writes the weights it serves that wave into its pull segment.
+into its push segment, and the shard writes the weights it serves that wave into its pull segment
+(only its buffers where the wave reads the trainable weights from a weight slot,
+``ps/weight_slots.py``).
 One of each per wave, and a wave has at most one request in flight, so neither side ever reads a
 segment the other is writing: a pulled weight set is exactly one version. Offsets come from the
 shard's own chunk list, never from a client, so no request makes the shard read or write outside

@@ -290,7 +290,7 @@ class ShardService(PushesAndReads):
             ErrorCode.NOT_ATTACHED,
             "the wave attached again; pull again",
         )
-        reply = self.datapath.attach(wave, body.transport, self.shard.specs, self.shard.version)
+        reply = self.datapath.attach(wave, body.transport, self.shard)
         self.stats[wave].transport = reply.transport
         return [*out, self._reply(peer, h, reply)]
 
@@ -304,6 +304,7 @@ class ShardService(PushesAndReads):
             checkpoint_failures=self.checkpoints.failures,
             waves=self.members.table(),
             members=self.members.summary(),
+            shm_reads=self.datapath.read_counts(),
         )
         return self._reply(peer, h, reply)
 

@@ -62,6 +62,9 @@ class Shard:
         self._wire_copy: tuple[int, list[torch.Tensor]] | None = None
         self._all_native = True  # every chunk travels in its own dtype (set by initialize)
         self._params_sent_as_is = True  # some parameter travels in its own dtype
+        # shared memory the parameters live in for local waves' copy-free reads
+        # (ps/weight_slots.py): set by the data path once a wave attaches through it
+        self.memory = None
         # called after every update with its gradients and lr (the primary's replicator)
         self.on_apply: Callable[[dict[int, torch.Tensor], float], None] | None = None
 
@@ -266,12 +269,14 @@ class Shard:
         for them (a client that never reads would stall the shard), move the parameters to fresh
         memory: those replies keep the old memory, and the version they were sent with, until
         ZeroMQ lets go of it. Optimizer state stays keyed by the same Parameter objects.
-        With a 16-bit wire, replies carry copies (``wire_values``), never this memory."""
-        if not self._params_sent_as_is:
+        With a 16-bit wire, replies carry copies (``wire_values``), never this memory. Where
+        local waves read the parameters in place (``memory``), the slot a wave still reads is
+        not written either."""
+        params = list(self.params.values())
+        busy = self._params_sent_as_is and self.weights_in_use()
+        if not busy and (self.memory is None or self.memory.make_writable(params)):
             return
-        if not self.weights_in_use():
-            return
-        for p in self.params.values():
+        for p in params:
             p.data = p.data.clone()
         self.detached += 1
 
@@ -324,6 +329,7 @@ class Shard:
         """Take a newer ``state_dict`` of this same shard (a standby seeded again)."""
         if list(state["keys"]) != self.keys:
             raise ProtocolError(ErrorCode.PLAN_MISMATCH, "a seed for other chunks than these")
+        self._own_weights()  # written in place below, as an update
         for spec, value in zip(self.specs, state["values"], strict=True):
             if spec.trainable:
                 self.params[spec.key].data.copy_(value)

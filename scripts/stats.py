@@ -92,9 +92,16 @@ def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
         print(f"wavelet stats: {e}", file=sys.stderr)
         return 1
     for s in shards:
+        reads = s.get("shm_reads") or {}
+        in_shm = (
+            f", shared-memory pulls: {reads['in_place']} read in place, {reads['copied']} "
+            f"copied, weights moved {reads['slot_moves']}x"
+            if reads.get("in_place") or reads.get("copied")
+            else ""
+        )
         print(
             f"shard {s['shard']}: version {s['version']}, {s['update_rule']}, "
-            f"{s['parked_now']} pull(s) parked, {s['rejected']} request(s) rejected"
+            f"{s['parked_now']} pull(s) parked, {s['rejected']} request(s) rejected{in_shm}"
         )
     print(format_wave_table(merge_wave_stats(shards)))
     print(

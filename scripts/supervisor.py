@@ -61,7 +61,15 @@ class ChildDidNotStart(ChildFailed):
 
     def __init__(self, child: Child, code: int):
         self.child = child
-        RuntimeError.__init__(self, f"{child.name} could not start: {child.tail(1).strip()}")
+        RuntimeError.__init__(self, f"{child.name} could not start: {_refusal(child)}")
+
+
+def _refusal(child: Child) -> str:
+    """The daemon's own line saying why it refused to start; what a library printed while the
+    process went down after it (a ZeroMQ assertion at exit) is not the reason."""
+    lines = [line.strip() for line in child.tail(5).splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("wavelet: error:")]
+    return (said or lines or ["(no log)"])[-1]
 
 
 def start_fork_server(spawn: str) -> ForkServer | None:

@@ -147,13 +147,15 @@ def test_a_wave_dropped_for_silence_leaves_nothing_behind(tmp_path):
             wave_id in service.updates.policy.read
             and service.datapath.segments.get(wave_id) is not None
         )
-        files = len(list(SHM_DIR.glob(service.datapath.segments.prefix + "*")))
-        assert files == 2
+        prefix = service.datapath.segments.prefix
+        files = len(list(SHM_DIR.glob(prefix + "*")))
+        assert files == 2 + 3  # its two segments, the shard's three weight slots
         service.tick(now=time.monotonic() + 5)
         assert wave_id not in service.clocks.live
         assert wave_id not in service.updates.policy.read  # its DC-ASGD weight copy
         assert service.datapath.segments.get(wave_id) is None
-        assert not list(SHM_DIR.glob(service.datapath.segments.prefix + "*"))
+        assert len(list(SHM_DIR.glob(prefix + "*"))) == 3  # the slots alone: shard memory
+        assert not service.datapath.slots.readers  # the slot it read is free
         assert wave_id not in service.shard.wave_buffers
     finally:
         service.close()

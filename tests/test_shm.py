@@ -21,6 +21,11 @@ def _segments(prefix: str = "wavelet-") -> list[str]:
     return sorted(p.name for p in shm.SHM_DIR.glob(prefix + "*"))
 
 
+def _wave_segments(prefix: str) -> list[str]:
+    """The waves' own segments, not the shard's weight slots (ps/weight_slots.py)."""
+    return [n for n in _segments(prefix) if not n.startswith(prefix + "s0-w-")]
+
+
 def _prefix(daemons) -> str:
     return shm.run_prefix(daemons.tmp)
 
@@ -34,7 +39,7 @@ def _step(model, client, pulled, clock, value):
 @pytest.mark.timeout(90)
 def test_concurrent_waves_never_read_torn_weights(shard_daemons):
     """Two waves push as fast as they can while a third only reads: whoever read version v
-    got the same weights, whole."""
+    got the same weights, whole, read in place from the shard's weight slots or copied."""
     daemons = shard_daemons(JOB, count=1)
     seen: list[dict] = [{}, {}, {}]
     errors = []
@@ -81,6 +86,12 @@ def test_concurrent_waves_never_read_torn_weights(shard_daemons):
                 for a, b in zip(weights, writer[v], strict=True):
                     assert torch.equal(a, b), f"two reads of version {v} differ"
     assert compared >= 5, "the reader and the writers shared too few versions to compare"
+    stats = RawClient(daemons.addresses[0])
+    try:
+        reads = stats.request(Header(op=Op.STATS)).body["shm_reads"]
+    finally:
+        stats.close()
+    assert reads["in_place"] > 0, reads  # the weights were read where the shard keeps them
 
 
 def test_a_bad_push_through_the_segment_changes_nothing(shard_daemons):
@@ -134,27 +145,28 @@ def test_segments_are_private_and_removed_on_stop_and_after_a_kill(shard_daemons
     try:
         c.register(0)
         names = _segments(prefix)
-        assert len(names) == 2  # one push and one pull segment for the wave
+        # one push and one pull segment for the wave, and the shard's 3 weight slots
+        assert len(_wave_segments(prefix)) == 2 and len(names) == 5
         for name in names:
             mode = (shm.SHM_DIR / name).stat().st_mode
             assert stat.S_IMODE(mode) == 0o600
             assert len(name) >= len(prefix) + 20  # an unguessable part
-        c.leave()  # a wave that is done frees its segments
-        assert _segments(prefix) == []
+        c.leave()  # a wave that is done frees its segments; the slots are the shard's memory
+        assert _wave_segments(prefix) == [] and len(_segments(prefix)) == 3
         c.register(0)
-        assert len(_segments(prefix)) == 2
+        assert len(_segments(prefix)) == 5
     finally:
         c.close()
     # kill -9: the segments stay behind...
     daemons.procs[0].send_signal(signal.SIGKILL)
     daemons.procs[0].wait(10)
-    assert len(_segments(prefix)) == 2
+    assert len(_segments(prefix)) == 5
     # ...until a shard of the same run dir starts, and that one removes its own on SIGTERM
     with daemons.restarted(0, tmp_path / "restarted.log") as proc:
         c = client_for(model, daemons.addresses, transport="shm")
         try:
             c.register(0)
-            assert len(_segments(prefix)) == 2  # the new wave's, the stale ones gone
+            assert len(_segments(prefix)) == 5  # the new wave's and slots, the stale ones gone
         finally:
             c.close()
         proc.send_signal(signal.SIGTERM)
@@ -181,7 +193,7 @@ def test_a_client_that_cannot_open_the_segments_stays_on_tcp(shard_daemons, tmp_
         finally:
             stats.close()
         monkeypatch.undo()
-        assert _segments(prefix) == []  # the shard dropped the segments it had offered
+        assert _wave_segments(prefix) == []  # the shard dropped the segments it had offered
     finally:
         c.close()
     monkeypatch.setattr(shm, "SHM_DIR", tmp_path / "elsewhere")

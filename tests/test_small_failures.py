@@ -130,17 +130,17 @@ def test_clean_removes_a_killed_jobs_segments_and_refuses_while_it_runs(tmp_path
     prefix = run_prefix(daemons.tmp)
     try:
         wave = client_for(tiny_model(), daemons.addresses)
-        wave.register(0)  # attaches: two segments
-        assert len(list(SHM_DIR.glob(prefix + "*"))) == 2
+        wave.register(0)  # attaches: two segments, and the shard makes its 3 weight slots
+        assert len(list(SHM_DIR.glob(prefix + "*"))) == 5
         line = _one_line(run_wavelet("clean", str(daemons.tmp), timeout=60))
         assert "still running" in line
-        assert len(list(SHM_DIR.glob(prefix + "*"))) == 2
+        assert len(list(SHM_DIR.glob(prefix + "*"))) == 5
         wave.close()
         os.kill(daemons.procs[0].pid, 9)
         daemons.procs[0].wait(10)
-        assert len(list(SHM_DIR.glob(prefix + "*"))) == 2  # a kill -9 leaves them
+        assert len(list(SHM_DIR.glob(prefix + "*"))) == 5  # a kill -9 leaves them
         done = run_wavelet("clean", str(daemons.tmp), timeout=60)
-        assert done.returncode == 0 and "removed 2" in done.stdout, done.stderr
+        assert done.returncode == 0 and "removed 5" in done.stdout, done.stderr
         assert not list(SHM_DIR.glob(prefix + "*"))
     finally:
         daemons.__exit__(None, None, None)
@@ -156,7 +156,7 @@ def test_a_second_shard_of_the_same_run_dir_leaves_the_live_ones_segments(shard_
         wave.register(0)
         prefix = run_prefix(daemons.tmp)
         before = sorted(SHM_DIR.glob(prefix + "*"))
-        assert len(before) == 2
+        assert len(before) == 2 + 3  # the wave's segments, the shard's weight slots
         line = _one_line(
             run_wavelet(
                 "ps", "--run-dir", str(daemons.tmp), "--bind", "tcp://127.0.0.1:0", timeout=60

@@ -18,44 +18,91 @@ FP16_MAX = torch.finfo(torch.float16).max
 
 
 class ShmLink:
-    """A wave's side of its two segments on one shard: views of its chunks in each."""
+    """A wave's side of its two segments on one shard, views of its chunks in each, and views
+    of the trainable chunks in each of the shard's weight slots (``ps/weight_slots.py``)."""
 
     def __init__(self, push: Segment, pull: Segment, chunks: list[Chunk], offsets: list[int]):
         if len(offsets) != len(chunks):
             raise OSError(f"the shard laid out {len(offsets)} chunks, the plan has {len(chunks)}")
-        for o, c in zip(offsets, chunks, strict=True):
-            if o < 0 or o + c.wire_nbytes > push.size:
-                raise OSError(
-                    f"chunk {c.key} at byte {o} does not fit the {push.size}-byte segment"
-                )
+        _check_fits(push, offsets, [c.wire_nbytes for c in chunks], chunks)
         self.push, self.pull = push, pull
-        self.push_views = [self._view(push, o, c) for o, c in zip(offsets, chunks, strict=True)]
-        self.pull_views = [self._view(pull, o, c) for o, c in zip(offsets, chunks, strict=True)]
+        self.chunks = chunks
+        self.push_views = [
+            self._view(push, o, c.wire_desc) for o, c in zip(offsets, chunks, strict=True)
+        ]
+        self.pull_views = [
+            self._view(pull, o, c.wire_desc) for o, c in zip(offsets, chunks, strict=True)
+        ]
+        self.slots: list[Segment] = []
+        self.slot_views: list[list[torch.Tensor]] = []  # per slot, per trainable chunk
 
     @staticmethod
-    def _view(segment: Segment, offset: int, chunk: Chunk) -> torch.Tensor:
-        return segment.tensor(offset, chunk.numel, chunk.wire_desc.torch_dtype)
+    def _view(segment: Segment, offset: int, desc) -> torch.Tensor:
+        return segment.tensor(offset, desc.numel, desc.torch_dtype)
 
     @classmethod
     def open(cls, offer, chunks: list[Chunk]) -> ShmLink:
         """Open the segments of an ``AttachReply``; OSError when this process cannot."""
         push = Segment.open(offer.push_segment, offer.size, offer.nonce)
+        opened = [push]
         try:
             pull = Segment.open(offer.pull_segment, offer.size, offer.nonce)
+            opened.append(pull)
+            link = cls(push, pull, chunks, offer.offsets)
+            trainable = [c for c in chunks if c.trainable]
+            if offer.weight_slots and len(offer.weight_offsets) != len(trainable):
+                raise OSError(
+                    f"the shard laid out {len(offer.weight_offsets)} trainable chunks in its "
+                    f"weight slots, the plan has {len(trainable)}"
+                )
+            for name in offer.weight_slots:
+                slot = Segment.open(name, offer.weight_size, offer.weight_nonce)
+                opened.append(slot)
+                _check_fits(slot, offer.weight_offsets, [c.nbytes for c in trainable], trainable)
+                link.slots.append(slot)
+                link.slot_views.append(
+                    [
+                        cls._view(slot, o, c.desc)
+                        for o, c in zip(offer.weight_offsets, trainable, strict=True)
+                    ]
+                )
         except BaseException:
-            push.close()
+            for segment in opened:
+                segment.close()
             raise
-        link = cls(push, pull, chunks, offer.offsets)
         if torch.cuda.is_available():
-            push.pin()
-            pull.pin()
+            for segment in opened:
+                segment.pin()
         return link
+
+    def pulled(self, slot: int) -> list[torch.Tensor]:
+        """The weights a pull answered through shared memory: the trainable chunks from weight
+        slot ``slot`` (-1: none, all from the pull segment), the rest from the pull segment."""
+        if slot < 0:
+            return self.pull_views
+        if slot >= len(self.slot_views):
+            raise ValueError(f"answered through weight slot {slot}, of {len(self.slot_views)}")
+        in_slot = iter(self.slot_views[slot])
+        return [
+            next(in_slot) if c.trainable else v
+            for c, v in zip(self.chunks, self.pull_views, strict=True)
+        ]
 
     def close(self) -> None:
         self.push_views.clear()
         self.pull_views.clear()
-        self.push.close()
-        self.pull.close()
+        self.slot_views.clear()
+        for segment in (self.push, self.pull, *self.slots):
+            segment.close()
+        self.slots.clear()
+
+
+def _check_fits(
+    segment: Segment, offsets: list[int], sizes: list[int], chunks: list[Chunk]
+) -> None:
+    for o, n, c in zip(offsets, sizes, chunks, strict=True):
+        if o < 0 or o + n > segment.size:
+            raise OSError(f"chunk {c.key} at byte {o} does not fit the {segment.size}-byte segment")
 
 
 class WaveDataPath:
@@ -152,10 +199,12 @@ class WaveDataPath:
         keys: list[int],
         frames: list[torch.Tensor],
         start: int = 0,
+        slot: int = -1,
     ) -> list[int]:
         """Copy weights from ``shard`` into our tensors: the run of its chunks from ``start`` that
-        ``keys`` names, from ``frames`` (a reply, or one part of it), or all of them from our pull
-        segment when the reply says it wrote them there. Returns the keys loaded; ValueError when
+        ``keys`` names, from ``frames`` (a reply, or one part of it), or all of them through
+        shared memory when the reply says so (``slot``: the weight slot its trainable chunks
+        are in, ours to read until our next request). Returns the keys loaded; ValueError when
         the reply names other chunks or a segment we lack."""
         if shm:
             link = self.links[shard]
@@ -163,7 +212,7 @@ class WaveDataPath:
                 raise ValueError(
                     "answered through a shared-memory segment this wave has not attached"
                 )
-            frames = link.pull_views  # the weights this shard wrote for us alone
+            frames = link.pulled(slot)
         chunks = self.chunks[shard][start : start + len(frames)]
         expected = [c.key for c in chunks]
         if list(keys) != expected or len(frames) != len(chunks):

@@ -81,7 +81,9 @@ class PullParts:
         if first is None:
             self.bodies[i] = body
         try:
-            keys = self.client.data.load(i, body.shm, h.keys, tensors, self.next_chunk[i])
+            keys = self.client.data.load(
+                i, body.shm, h.keys, tensors, self.next_chunk[i], body.slot
+            )
         except ValueError as e:
             raise ShardError(f"shard {address} {e}") from None
         self.loaded.update(keys)
