@@ -116,10 +116,14 @@ def test_job_survives_a_cut_link(two_hosts, tmp_path):
         assert len(steps) == epochs * 22 and len(steps) > cut
         assert "without authentication" in (tmp_path / "ps.log").read_text()
     finally:
-        for p in procs:
+        for p in procs:  # a clean stop first: the shard removes its shared-memory segments
             if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait(10)
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.send_signal(signal.SIGKILL)
+                    p.wait(10)
 
 
 @pytest.mark.slow
