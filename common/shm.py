@@ -121,6 +121,18 @@ class Segment:
             return torch.empty(0, dtype=dtype)
         return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset)
 
+    def tensors(self, offsets: list[int], descs: list) -> list[torch.Tensor]:
+        """A view per chunk: ``descs[i]`` (a ``TensorDesc``) at byte ``offsets[i]``; OSError
+        where a chunk would reach past the segment (offsets a peer sent)."""
+        if len(offsets) != len(descs):
+            raise OSError(f"{len(offsets)} offsets laid out for {len(descs)} chunks")
+        for i, (offset, desc) in enumerate(zip(offsets, descs, strict=True)):
+            if offset < 0 or offset + desc.nbytes > self.size:
+                raise OSError(
+                    f"chunk {i} at byte {offset} does not fit the {self.size}-byte segment"
+                )
+        return [self.tensor(o, d.numel, d.torch_dtype) for o, d in zip(offsets, descs, strict=True)]
+
     def pin(self) -> None:
         """Page-lock the segment for CUDA (cudaHostRegister), so device copies into and out of
         it are asynchronous and run at full bus speed; no-op without CUDA."""

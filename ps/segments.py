@@ -82,13 +82,10 @@ class SegmentStore:
             push.close()
             raise
 
-        def views(segment: Segment) -> list[torch.Tensor]:
-            return [
-                segment.tensor(o, s.wire.numel, s.wire.torch_dtype)
-                for o, s in zip(offsets, specs, strict=True)
-            ]
-
-        segments = WaveSegments(push, pull, offsets, views(push), views(pull))
+        wires = [s.wire for s in specs]
+        segments = WaveSegments(
+            push, pull, offsets, push.tensors(offsets, wires), pull.tensors(offsets, wires)
+        )
         self.waves[wave] = segments
         return segments
 

@@ -44,11 +44,8 @@ class WeightSlots:
         except BaseException:
             self.close()
             raise
-        placed = list(zip(self.offsets, trainable, strict=True))
-        self.views = [
-            [seg.tensor(o, s.desc.numel, s.desc.torch_dtype) for o, s in placed]
-            for seg in self.segments
-        ]
+        descs = [s.desc for s in trainable]
+        self.views = [seg.tensors(self.offsets, descs) for seg in self.segments]
         self.readers: dict[WaveId, int] = {}  # wave -> the slot its last pull pointed it at
         self.moves = 0  # times the parameters moved to another slot before an update
 

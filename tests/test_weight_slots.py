@@ -76,16 +76,16 @@ def test_with_every_slot_held_the_wave_gets_a_copy_of_one_whole_version(tmp_path
     service = service_for(tmp_path)
     try:
         waves = _joined(service, "a", "b", "c", "d")
-        held = {}
+        held = []  # (slot, what it held when read)
         for clock, w in enumerate(waves[:3]):  # three readers of three versions
             if clock:
                 waves[3].push(clock - 1, clock - 1)
-            held[w.worker] = (_pull(w, 0)["slot"], None)
-            held[w.worker] = (held[w.worker][0], _slot_values(service, held[w.worker][0]))
-        assert len({s for s, _ in held.values()}) == 3
+            slot = _pull(w, 0)["slot"]
+            held.append((slot, _slot_values(service, slot)))
+        assert len({slot for slot, _ in held}) == 3
         waves[3].push(2, 2)  # every slot held: the update goes to private memory
         assert service.shard.detached == 1
-        for slot, values in held.values():  # no reader's version touched
+        for slot, values in held:  # no reader's version touched
             for before, now in zip(values, _slot_values(service, slot), strict=True):
                 assert torch.equal(before, now)
         body = _pull(waves[3], 3)

@@ -24,21 +24,13 @@ class ShmLink:
     def __init__(self, push: Segment, pull: Segment, chunks: list[Chunk], offsets: list[int]):
         if len(offsets) != len(chunks):
             raise OSError(f"the shard laid out {len(offsets)} chunks, the plan has {len(chunks)}")
-        _check_fits(push, offsets, [c.wire_nbytes for c in chunks], chunks)
         self.push, self.pull = push, pull
         self.chunks = chunks
-        self.push_views = [
-            self._view(push, o, c.wire_desc) for o, c in zip(offsets, chunks, strict=True)
-        ]
-        self.pull_views = [
-            self._view(pull, o, c.wire_desc) for o, c in zip(offsets, chunks, strict=True)
-        ]
+        wires = [c.wire_desc for c in chunks]
+        self.push_views = push.tensors(offsets, wires)
+        self.pull_views = pull.tensors(offsets, wires)
         self.slots: list[Segment] = []
         self.slot_views: list[list[torch.Tensor]] = []  # per slot, per trainable chunk
-
-    @staticmethod
-    def _view(segment: Segment, offset: int, desc) -> torch.Tensor:
-        return segment.tensor(offset, desc.numel, desc.torch_dtype)
 
     @classmethod
     def open(cls, offer, chunks: list[Chunk]) -> ShmLink:
@@ -58,13 +50,9 @@ class ShmLink:
             for name in offer.weight_slots:
                 slot = Segment.open(name, offer.weight_size, offer.weight_nonce)
                 opened.append(slot)
-                _check_fits(slot, offer.weight_offsets, [c.nbytes for c in trainable], trainable)
                 link.slots.append(slot)
                 link.slot_views.append(
-                    [
-                        cls._view(slot, o, c.desc)
-                        for o, c in zip(offer.weight_offsets, trainable, strict=True)
-                    ]
+                    slot.tensors(offer.weight_offsets, [c.desc for c in trainable])
                 )
         except BaseException:
             for segment in opened:
@@ -95,14 +83,6 @@ class ShmLink:
         for segment in (self.push, self.pull, *self.slots):
             segment.close()
         self.slots.clear()
-
-
-def _check_fits(
-    segment: Segment, offsets: list[int], sizes: list[int], chunks: list[Chunk]
-) -> None:
-    for o, n, c in zip(offsets, sizes, chunks, strict=True):
-        if o < 0 or o + n > segment.size:
-            raise OSError(f"chunk {c.key} at byte {o} does not fit the {segment.size}-byte segment")
 
 
 class WaveDataPath:
