@@ -13,7 +13,7 @@ import importlib.metadata
 import os
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,13 +95,7 @@ class DataPart:
         batches, ``ps/balance.py``)."""
         g = torch.Generator().manual_seed(seed + epoch)
         order = torch.randperm(len(self.x), generator=g)
-        start = 0
-        while True:
-            size = sizes() if sizes is not None else batch_size
-            if start + size > len(order):
-                return
-            idx = order[start : start + size]
-            start += size
+        for idx in sized_runs(order, sizes or (lambda: batch_size)):
             x = self.x[idx]
             if self.max_shift:
                 dx, dy = torch.randint(-self.max_shift, self.max_shift + 1, (2,), generator=g)
@@ -250,14 +244,16 @@ class SizedBatches:
         self.sampler, self.sizes = sampler, sizes
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = list(self.sampler)
-        start = 0
-        while True:
-            size = self.sizes()
-            if start + size > len(order):
-                return
-            yield order[start : start + size]
-            start += size
+        return sized_runs(list(self.sampler), self.sizes)
+
+
+def sized_runs(order: Sequence, sizes: Callable[[], int]) -> Iterator:
+    """Consecutive runs of ``order``, each as long as ``sizes()`` says just before it is cut; a
+    last run that would not be full is dropped."""
+    start = 0
+    while start + (size := sizes()) <= len(order):
+        yield order[start : start + size]
+        start += size
 
 
 class DataError(ValueError):

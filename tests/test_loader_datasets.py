@@ -10,7 +10,14 @@ import torch
 import torch.utils.data as tud
 from conftest import ONE_SHARD, run_wavelet
 
-from wavelet.common.datasets import DataError, LoaderDataset, LoaderSettings, build_dataset
+from wavelet.common.datasets import (
+    DataError,
+    DataPart,
+    LoaderDataset,
+    LoaderSettings,
+    SizedBatches,
+    build_dataset,
+)
 
 FILES = '''
 from pathlib import Path
@@ -175,3 +182,14 @@ def test_a_dying_loader_worker_stops_the_job_with_one_line(project):
     assert done.returncode == 1, done.stderr[-3000:]
     died = [line for line in done.stderr.splitlines() if "DataLoader worker process died" in line]
     assert len(died) >= 1, done.stderr[-3000:]
+
+
+def test_balanced_batches_take_the_sizes_asked_and_drop_a_last_partial_one():
+    """In memory and through a DataLoader's batch sampler alike (ps/balance.py asks the sizes)."""
+    part = DataPart(torch.arange(10.0).reshape(10, 1), torch.arange(10))
+    asks = iter([3, 4, 5])
+    assert [len(y) for _, y in part.batches(2, 0, 0, sizes=lambda: next(asks))] == [3, 4]
+    asks = iter([3, 4, 5])
+    sampler = tud.SequentialSampler(range(10))
+    assert list(SizedBatches(sampler, lambda: next(asks))) == [[0, 1, 2], [3, 4, 5, 6]]
+    assert [len(y) for _, y in part.batches(4, 0, 0)] == [4, 4]  # the job's batch otherwise
