@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from wavelet.ps.balance import MIN_SAMPLES
+
 log = logging.getLogger(__name__)
 
 SLOW_FACTOR = 1.3  # a node this much slower than the fastest gives its shards away
@@ -35,8 +37,9 @@ class SpeedPlacement:
         """Each node's workers' mean samples per second of compute, from their pushes."""
         balancer = self.service.updates.balancer
         per_node: dict[int, list[float]] = {}
-        for (worker, _), speed in balancer.speed.items():
-            if worker[:1] == "w" and worker[1:].isdigit() and balancer.seen[(worker, _)] >= 3:
+        for wave, speed in balancer.speed.items():
+            worker = wave[0]
+            if worker[:1] == "w" and worker[1:].isdigit() and balancer.seen[wave] >= MIN_SAMPLES:
                 per_node.setdefault(self.node_of_worker(int(worker[1:])), []).append(speed)
         return {node: sum(s) / len(s) for node, s in per_node.items()}
 
@@ -47,7 +50,7 @@ class SpeedPlacement:
             return False
         speeds = self.node_speeds()
         mine, theirs = speeds.get(self.own_node), speeds.get(self.standby_node)
-        if mine is None or theirs is None or not speeds:
+        if mine is None or theirs is None:
             return False
         fastest = max(speeds.values())
         if mine * self.factor < fastest and theirs * self.factor >= fastest:
