@@ -231,7 +231,8 @@ class JobConfig:
     eval_every_s: float = setting(
         0.0,
         help="also copy the model every S seconds of training and test the copies after it, so "
-        "that time to target is known to S rather than to an epoch (0: by epochs only)",
+        "that time to target is known to S rather than to an epoch, and no test stalls "
+        "training (the epochs' tests are copies too; 0: by epochs only, tested inline)",
     )
     memory_trace_iters: int = setting(
         40, help="iterations per wave whose saved-activation timeline is kept"

@@ -54,10 +54,12 @@ class ShardDataPath:
         if config.shm:
             # per run dir, so that a restarted shard or the launcher finds what a killed one left
             base = run_prefix(config.run_dir) if config.run_dir else f"wavelet-{pid}-"
-            lock = (
-                Path(config.run_dir) / f"ps-{config.shard_index}.lock" if config.run_dir else None
-            )
-            self.segments = SegmentStore(f"{base}s{config.shard_index}-", lock)
+            # a standby hosted beside a primary of the same index and run dir (one host, shard
+            # replicas) keeps its own names and lock: neither removes the other's segments
+            name = f"{config.shard_index}-standby" if config.standby_role else config.shard_index
+            lock = Path(config.run_dir) / f"ps-{name}.lock" if config.run_dir else None
+            tag = "b" if config.standby_role else ""
+            self.segments = SegmentStore(f"{base}s{config.shard_index}{tag}-", lock)
 
     def gradients(self, wave: WaveId, shm: bool, frames: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors a push carries: its frames, or (``shm``) the wave's push segment, to be

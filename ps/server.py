@@ -68,7 +68,6 @@ class ShardServer:
                     config,
                     shard_index=config.stands_by_for,
                     bind=config.standby_bind,
-                    shm=False,  # after a take-over the waves come from other hosts
                     standby_role=True,
                     standby_bind="",
                     standby_address="",

@@ -315,7 +315,7 @@ class Progress:
         if self.board:
             if r["kind"] == "step":
                 self.board.step(wave, r)
-            elif r["kind"] in ("eval", "final") and not r.get("timed"):
+            elif r["kind"] in ("eval", "final") and (r.get("epoch_end") or not r.get("timed")):
                 # per epoch; tests between epochs (eval_every_s) are for time to target
                 self.board.evaluation(r.get("epoch", self.epoch) + 1, _metrics_of(r), r["t"])
         if r["kind"] == "start":

@@ -18,9 +18,10 @@ from wavelet.common.records import read_records
 STEPS = 12
 
 
-def _train(addresses, clocks, model=None, worker="w0", before=None):
+def _train(addresses, clocks, model=None, worker="w0", before=None, transports=None):
     """``clocks`` steps of one wave pushing gradients of ones from a fresh tiny model; calls
-    ``before(clock)`` before each push. Returns the model (its weights: the last pull)."""
+    ``before(clock)`` before each push. Returns the model (its weights: the last pull), the
+    updates lost and the versions read; ``transports`` (a list) gets the links' at the end."""
     model = model or tiny_model()
     c = client_for(model, addresses, worker=worker)
     try:
@@ -32,6 +33,8 @@ def _train(addresses, clocks, model=None, worker="w0", before=None):
             for p in model.parameters():
                 p.grad = torch.full_like(p, 0.01 * (clock + 1))
             r = c.push_pull(clock, r.versions)
+        if transports is not None:
+            transports += c.transports
         return model, c.lost_updates, r.versions
     finally:
         c.close()
@@ -54,10 +57,13 @@ def test_a_killed_shard_is_taken_over_by_its_standby(shard_daemons, replicas):
             daemons.procs[1].send_signal(signal.SIGKILL)
             daemons.procs[1].wait(10)
 
-    model, lost, versions = _train(daemons.addresses, STEPS, before=kill_at)
+    transports = []
+    model, lost, versions = _train(daemons.addresses, STEPS, before=kill_at, transports=transports)
     assert lost == 0
     host_log = (daemons.tmp / "ps-0.log").read_text()
     assert "standby of shard 1 takes the shard over" in host_log
+    # a wave on the standby's host goes on through shared memory, as with its primary
+    assert transports == ["shm", "shm"]
     # the standby's address is where shard 1 is looked up now
     assert daemons.current_addresses()[1] != daemons.addresses[1]
     if replicas == 2:

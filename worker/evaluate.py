@@ -43,23 +43,26 @@ def timed_eval(
     evaluation: Evaluation,
     epoch: int,
     taken_at: float | None = None,
+    epoch_end: bool = False,
 ) -> dict:
     """The ``eval`` record of testing ``model`` now, stamped with the time its weights were
     current (so time to target does not include the test itself): when the test began, or
     ``taken_at`` for a copy taken between epochs (then marked ``timed``); and how long the test
-    took (``eval_s``)."""
+    took (``eval_s``); ``epoch_end``: the copy is its epoch's end-of-epoch test."""
     began, clock = time.time(), time.perf_counter()
     metrics = evaluate(model, dataset, device, evaluation)
     record = eval_record("eval", evaluation, metrics, epoch=epoch)
     record.update(t=began if taken_at is None else taken_at, eval_s=time.perf_counter() - clock)
     if taken_at is not None:
         record["timed"] = True
+    if epoch_end:
+        record["epoch_end"] = True
     return record
 
 
 class TestSnapshots:
     """The tests of a replica during training: at an epoch's end (``test_epoch``) and, every
-    ``every_s`` seconds in between (``eval_every_s``), on copies of the model's state taken to
+    ``every_s`` seconds in between (``eval_every_s``; then the epochs' tests too), on copies of the model's state taken to
     host memory and tested once training is over (``test_copies``), each record stamped with the
     time its copy was taken. Time to target is then known to ``every_s``, and no mode pays for
     these tests in training time (a test of the narrow ResNet takes 0.7 s here: run inline every
@@ -77,7 +80,8 @@ class TestSnapshots:
         self.every_s = every_s
         self.dataset, self.device, self.evaluation = dataset, device, evaluation
         self.compute = compute
-        self.taken: list[tuple[float, int, dict[str, torch.Tensor]]] = []
+        # (time taken, epoch, state, whether it is the epoch's end-of-epoch test)
+        self.taken: list[tuple[float, int, dict[str, torch.Tensor], bool]] = []
         self.restart()
 
     def restart(self) -> None:
@@ -89,15 +93,23 @@ class TestSnapshots:
         return bool(self.every_s) and time.monotonic() - self.last >= self.every_s
 
     def maybe_take(self, model: torch.nn.Module, epoch: int) -> None:
-        if not self.due():
-            return
-        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        self.taken.append((time.time(), epoch, state))
-        self.restart()
+        if self.due():
+            self._take(model, epoch)
 
     def test_epoch(self, model: torch.nn.Module, epoch: int, write: Callable[[dict], None]):
-        """Test ``model`` now and ``write`` the record; the next copy is due ``every_s`` later."""
+        """The test at an epoch's end: now, with its record written, or, where copies are
+        taken (``every_s``), as one more copy tested after training. Inline it stalls the
+        replica for a whole test (0.7-2 s of the narrow ResNet here), and under a synchronous
+        rule every other replica with it. The next copy is due ``every_s`` later."""
+        if self.every_s:
+            self._take(model, epoch, epoch_end=True)
+            return
         write(self._test(model, epoch))
+        self.restart()
+
+    def _take(self, model: torch.nn.Module, epoch: int, epoch_end: bool = False) -> None:
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self.taken.append((time.time(), epoch, state, epoch_end))
         self.restart()
 
     def test_copies(
@@ -108,11 +120,11 @@ class TestSnapshots:
     ) -> None:
         """Test every copy in order and ``write`` its record (``model`` is left holding the last
         one); none after ``stop`` is set (a daemon asked to stop does not test on)."""
-        for taken, epoch, state in self.taken:
+        for taken, epoch, state, epoch_end in self.taken:
             if stop is not None and stop.is_set():
                 break
             model.load_state_dict(state)
-            write(self._test(model, epoch, taken))
+            write(self._test(model, epoch, taken, epoch_end))
         self.taken.clear()
 
     def save_untested(self, folder: Path, job: JobConfig) -> None:
@@ -126,8 +138,14 @@ class TestSnapshots:
         torch.save(saved, folder / f"copies-{time.time():.3f}.pt")
         self.taken = []
 
-    def _test(self, model: torch.nn.Module, epoch: int, taken_at: float | None = None) -> dict:
-        args = (model, self.dataset, self.device, self.evaluation, epoch, taken_at)
+    def _test(
+        self,
+        model: torch.nn.Module,
+        epoch: int,
+        taken_at: float | None = None,
+        epoch_end: bool = False,
+    ) -> dict:
+        args = (model, self.dataset, self.device, self.evaluation, epoch, taken_at, epoch_end)
         return self.compute(timed_eval, *args) if self.compute else timed_eval(*args)
 
 
@@ -197,11 +215,10 @@ def test_saved_copies(run_dir: str | Path, device: str = "cpu") -> int:
             job = from_dict(JobConfig, saved["job"])
             dataset, model = build_dataset_and_model(job, torch.device(device))
             evaluation = load_evaluation(job)
-            for taken, epoch, state in saved["copies"]:
+            for taken, epoch, state, *epoch_end in saved["copies"]:
                 model.load_state_dict(state)
-                records.write(
-                    timed_eval(model, dataset, torch.device(device), evaluation, epoch, taken)
-                )
+                args = (model, dataset, torch.device(device), evaluation, epoch, taken)
+                records.write(timed_eval(*args, *epoch_end))
                 tested += 1
             path.unlink()
     finally:
