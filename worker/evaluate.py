@@ -62,12 +62,12 @@ def timed_eval(
 
 class TestSnapshots:
     """The tests of a replica during training: at an epoch's end (``test_epoch``) and, every
-    ``every_s`` seconds in between (``eval_every_s``; then the epochs' tests too), on copies of the model's state taken to
-    host memory and tested once training is over (``test_copies``), each record stamped with the
-    time its copy was taken. Time to target is then known to ``every_s``, and no mode pays for
-    these tests in training time (a test of the narrow ResNet takes 0.7 s here: run inline every
-    2 s, it cost a quarter of the training time). ``compute`` runs each test (worker/compute.py;
-    default: on the calling thread)."""
+    ``every_s`` seconds in between (``eval_every_s``; then the epochs' tests too), on copies of
+    the model's state taken to host memory and tested once training is over (``test_copies``),
+    each record stamped with the time its copy was taken. Time to target is then known to
+    ``every_s``, and no mode pays for these tests in training time (a test of the narrow ResNet
+    takes 0.7 s here: run inline every 2 s, it cost a quarter of the training time).
+    ``compute`` runs each test (worker/compute.py; default: on the calling thread)."""
 
     def __init__(
         self,
