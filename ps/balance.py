@@ -5,18 +5,27 @@ weigh each push by its samples, ``ps/synchronous.py``), so its meaning does not 
 how the samples are split among the waves does.
 
 Each push says how many samples it carried and how long the wave computed them (forward and
-backward, no waiting); the balancer keeps an average of each wave's samples per second and
-answers each read with the batch that wave should take next: a group's samples per step (its
-waves times the job's batch) shared in proportion to their speeds, each at least 1 and at most
-``MAX_FACTOR`` times the job's batch. ``balance_batches = "auto"`` balances only while the
-fastest wave of a group is over ``ON_SPREAD`` times the slowest, and stops below
+backward, no waiting); the balancer keeps an average of each wave's samples per second. It also
+times, on the shard, each wave's whole cycle from the answer to its read to the arrival of its
+push: what is not compute there (the weights and gradients on the wire, a loop's own work) is
+the wave's overhead, a cost per step whatever its batch (the median of the last ``OVERHEADS``,
+so that one stall does not swing the batches). A wave that computes its samples in b / v
+seconds after an overhead o pushes at o + b / v; the balancer answers each read with the batch
+that makes those times equal across a group: with B the group's samples per step (its waves
+times the job's batch), every wave pushes at t = (B + sum v o) / sum v, and wave i takes
+v_i (t - o_i), each at least 1 and at most ``MAX_FACTOR`` times the job's batch (measured here,
+a remote node's push arrived 28 ms after a local one's when only speeds counted: a seventh of
+each turn). ``balance_batches = "auto"`` balances only while, at equal batches, the slowest wave
+of a group would push over ``ON_SPREAD`` times later than the fastest, and stops below
 ``OFF_SPREAD`` (a co-tenant that comes and goes); ``wavelet stats`` and the summary's update
-rule say when it balances, and how far apart the speeds were.
+rule say when it balances, and how far apart the waves were.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 
 from wavelet.ps.staleness import WaveId
@@ -26,6 +35,7 @@ ON_SPREAD = 1.3  # auto: balance once the fastest wave is this much faster than 
 OFF_SPREAD = 1.15  # auto: and go back to equal batches below this
 MAX_FACTOR = 4  # no wave's batch beyond this many times the job's
 MIN_SAMPLES = 3  # measurements of every wave before its speed counts
+OVERHEADS = 8  # each wave's overhead: the median of this many last cycles
 
 
 class BatchBalancer:
@@ -35,21 +45,42 @@ class BatchBalancer:
         self.group_of = group_of
         self.speed: dict[WaveId, float] = {}  # samples per second of compute, averaged
         self.seen: dict[WaveId, int] = {}
+        self.overheads: dict[WaveId, deque[float]] = {}  # seconds per step besides compute
+        self.answered_at: dict[WaveId, float] = {}  # when each wave's last read was answered
         self.active: dict[Hashable, bool] = {}
         self.changes: list[dict] = []  # when auto turned balancing on or off, and why
 
-    def record(self, wave: WaveId, samples: int, compute_s: float) -> None:
-        """A push of ``samples`` computed in ``compute_s`` seconds (0: not measured)."""
+    def answered(self, wave: WaveId, now: float | None = None) -> None:
+        """``wave``'s read was answered (its weights are on their way): its cycle starts."""
+        self.answered_at[wave] = time.monotonic() if now is None else now
+
+    def record(
+        self, wave: WaveId, samples: int, compute_s: float, now: float | None = None
+    ) -> None:
+        """A push of ``samples`` computed in ``compute_s`` seconds (0: not measured), arriving
+        ``now``."""
+        answered = self.answered_at.pop(wave, None)
         if samples <= 0 or compute_s <= 0:  # kept even when off: placement reads the speeds
             return
         rate = samples / compute_s
         old = self.speed.get(wave)
         self.speed[wave] = rate if old is None else (1 - ALPHA) * old + ALPHA * rate
         self.seen[wave] = self.seen.get(wave, 0) + 1
+        if answered is not None:
+            cycle = (time.monotonic() if now is None else now) - answered
+            overheads = self.overheads.setdefault(wave, deque(maxlen=OVERHEADS))
+            overheads.append(max(0.0, cycle - compute_s))
+
+    def overhead(self, wave: WaveId) -> float:
+        """``wave``'s seconds per step besides its compute (0 until measured)."""
+        overheads = self.overheads.get(wave)
+        return statistics.median(overheads) if overheads else 0.0
 
     def forget(self, wave: WaveId) -> None:
         self.speed.pop(wave, None)
         self.seen.pop(wave, None)
+        self.overheads.pop(wave, None)
+        self.answered_at.pop(wave, None)
 
     def batch_for(self, wave: WaveId, live: set[WaveId]) -> int:
         """The batch ``wave`` should take next (0: the job's, unchanged)."""
@@ -60,16 +91,23 @@ class BatchBalancer:
         if len(members) < 2 or any(self.seen.get(w, 0) < MIN_SAMPLES for w in members):
             return 0
         speeds = {w: self.speed[w] for w in members}
-        if not self._balancing(group, speeds):
+        overheads = {w: self.overhead(w) for w in members}
+        if not self._balancing(group, speeds, overheads):
             return 0
         total = self.batch_size * len(members)
-        share = speeds[wave] / sum(speeds.values())
-        return int(min(max(1, round(total * share)), MAX_FACTOR * self.batch_size))
+        # every wave of the group pushes at t: o_i + b_i / v_i = t, and sum b_i = total
+        t = (total + sum(speeds[w] * overheads[w] for w in members)) / sum(speeds.values())
+        batch = speeds[wave] * (t - overheads[wave])
+        return int(min(max(1, round(batch)), MAX_FACTOR * self.batch_size))
 
-    def _balancing(self, group: Hashable, speeds: dict[WaveId, float]) -> bool:
+    def _balancing(
+        self, group: Hashable, speeds: dict[WaveId, float], overheads: dict[WaveId, float]
+    ) -> bool:
         if self.mode == "on":
             return True
-        spread = max(speeds.values()) / max(min(speeds.values()), 1e-12)
+        # when each would push at equal batches
+        times = [overheads[w] + self.batch_size / max(speeds[w], 1e-12) for w in speeds]
+        spread = max(times) / max(min(times), 1e-12)
         was = self.active.get(group, False)
         now = spread > ON_SPREAD if not was else spread > OFF_SPREAD
         if now != was:
@@ -87,4 +125,4 @@ class BatchBalancer:
         if not any(self.active.values()):
             return ""  # equal batches: the waves' speeds are within ON_SPREAD
         last = self.changes[-1]
-        return f"balanced batches (speeds {last['spread']:.1f}x apart)"
+        return f"balanced batches (waves {last['spread']:.1f}x apart)"

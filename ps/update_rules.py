@@ -184,6 +184,8 @@ class Updates:
         return self.bound.may_read(clock, self.clocks)
 
     def on_read(self, wave: WaveId) -> None:
+        """``wave``'s read is answered now."""
+        self.balancer.answered(wave)
         if not self.synchronous:
             self.policy.on_read(wave, self.shard.params)
 

@@ -1,0 +1,84 @@
+"""Speed-balanced batches (ps/balance.py): each wave's batch is what makes the waves of a step
+push at the same moment, its compute and its overhead per step (the wire) both counted, from
+measurements that one stall does not swing. Arithmetic only: the balancer is fed the times a
+shard would see."""
+
+import pytest
+
+from wavelet.ps.balance import MIN_SAMPLES, BatchBalancer
+
+FAST, SLOW = ("w0", 0), ("w1", 0)
+LIVE = {FAST, SLOW}
+
+
+def _balancer(mode="on", batch=32):
+    return BatchBalancer(mode, batch, lambda wave: wave[1])  # a group per wave index
+
+
+def _feed(b, wave, samples, compute_s, overhead_s, steps=MIN_SAMPLES):
+    """``steps`` cycles of ``wave``: read answered at 0, push arriving after its overhead and
+    its compute."""
+    for _ in range(steps):
+        b.answered(wave, now=100.0)
+        b.record(wave, samples, compute_s, now=100.0 + overhead_s + compute_s)
+
+
+def _push_time(b, wave, batch):
+    return b.overhead(wave) + batch / b.speed[wave]
+
+
+@pytest.mark.timeout(10)
+def test_batches_follow_speed_where_no_wave_pays_more_per_step():
+    b = _balancer()
+    _feed(b, FAST, 32, 0.1, 0.0)  # 320 samples/s
+    _feed(b, SLOW, 32, 0.2, 0.0)  # 160 samples/s
+    assert (b.batch_for(FAST, LIVE), b.batch_for(SLOW, LIVE)) == (43, 21)  # 64 as 2:1
+
+
+@pytest.mark.timeout(10)
+def test_a_wave_with_a_longer_wire_takes_less_so_that_both_push_together():
+    b = _balancer()
+    _feed(b, FAST, 32, 0.1, 0.005)  # local: 5 ms besides compute
+    _feed(b, SLOW, 32, 0.2, 0.050)  # remote: 50 ms on the wire
+    fast, slow = b.batch_for(FAST, LIVE), b.batch_for(SLOW, LIVE)
+    assert fast + slow == 64
+    assert slow < 21  # less than speed alone would give it
+    # both push within one sample's compute of each other; with speeds alone the remote wave
+    # would push 45 ms after the local one
+    assert abs(_push_time(b, FAST, fast) - _push_time(b, SLOW, slow)) < 1 / 160
+    assert _push_time(b, SLOW, 21) - _push_time(b, FAST, 43) > 0.04
+
+
+@pytest.mark.timeout(10)
+def test_one_stalled_cycle_does_not_swing_the_batches():
+    b = _balancer()
+    _feed(b, FAST, 32, 0.1, 0.005, steps=7)
+    _feed(b, SLOW, 32, 0.2, 0.050, steps=7)
+    before = b.batch_for(FAST, LIVE), b.batch_for(SLOW, LIVE)
+    _feed(b, FAST, 32, 0.1, 2.0, steps=1)  # e.g. a test run inline: 2 s without a push
+    assert (b.batch_for(FAST, LIVE), b.batch_for(SLOW, LIVE)) == before
+
+
+@pytest.mark.timeout(10)
+def test_auto_balances_only_while_the_waves_would_push_far_apart():
+    b = _balancer("auto")
+    _feed(b, FAST, 32, 0.1, 0.01)
+    _feed(b, SLOW, 32, 0.11, 0.01)  # within ON_SPREAD: equal batches (0: the job's)
+    assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 0
+    _feed(b, SLOW, 32, 0.4, 0.01, steps=10)  # a co-tenant arrives on the slow wave's node
+    assert b.batch_for(FAST, LIVE) > 32 > b.batch_for(SLOW, LIVE) > 0
+    assert "balanced batches" in b.describe()
+    _feed(b, SLOW, 32, 0.1, 0.01, steps=10)  # and leaves
+    assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 0
+
+
+@pytest.mark.timeout(10)
+def test_no_batch_before_every_wave_is_measured_nor_beyond_the_bounds():
+    b = _balancer()
+    _feed(b, FAST, 32, 0.1, 0.0, steps=MIN_SAMPLES - 1)
+    _feed(b, SLOW, 32, 0.2, 0.0)
+    assert b.batch_for(FAST, LIVE) == 0
+    _feed(b, FAST, 32, 0.001, 0.0, steps=10)  # 100x faster: bounded at 4x the job's batch
+    _feed(b, SLOW, 32, 0.2, 1.0, steps=10)  # and an overhead longer than the fast one's step
+    assert b.batch_for(FAST, LIVE) == 4 * 32
+    assert b.batch_for(SLOW, LIVE) == 1
