@@ -5,7 +5,11 @@ weigh each push by its samples, ``ps/synchronous.py``), so its meaning does not 
 how the samples are split among the waves does.
 
 Each push says how many samples it carried and how long the wave computed them (forward and
-backward, no waiting); the balancer keeps an average of each wave's samples per second. It also
+backward, no waiting); a wave's speed is its samples over its compute seconds in its last
+``WINDOW`` pushes, a sum rather than an average of each push's rate (a node under a cgroup cap
+computes one step at full speed and the next at a fraction, as its quota runs out: a
+throttled node's rates swung 2.5x from one push to the next), and its first ``WARMUP`` pushes
+are not counted (the first step allocates: it measured a third of the later ones' speed). It also
 times, on the shard, each wave's whole cycle from the answer to its read to the arrival of its
 push: what is not compute there (the weights and gradients on the wire, a loop's own work) is
 the wave's overhead, a cost per step whatever its batch (the median of the last ``OVERHEADS``,
@@ -30,7 +34,8 @@ from collections.abc import Callable, Hashable
 
 from wavelet.ps.staleness import WaveId
 
-ALPHA = 0.3  # weight of the newest measurement in each wave's average speed
+WINDOW = 8  # a wave's speed: its samples over its compute seconds in this many last pushes
+WARMUP = 1  # pushes of each wave not counted: the first step allocates and warms caches
 ON_SPREAD = 1.3  # auto: balance once the fastest wave is this much faster than the slowest
 OFF_SPREAD = 1.15  # auto: and go back to equal batches below this
 MAX_FACTOR = 4  # no wave's batch beyond this many times the job's
@@ -43,8 +48,10 @@ class BatchBalancer:
         self.mode = mode  # on, off, auto
         self.batch_size = batch_size
         self.group_of = group_of
-        self.speed: dict[WaveId, float] = {}  # samples per second of compute, averaged
-        self.seen: dict[WaveId, int] = {}
+        self.speed: dict[WaveId, float] = {}  # samples per second of compute, last WINDOW
+        self.seen: dict[WaveId, int] = {}  # pushes counted (after the WARMUP ones)
+        self.pushes: dict[WaveId, int] = {}  # pushes measured, the WARMUP ones too
+        self.window: dict[WaveId, deque[tuple[int, float]]] = {}  # (samples, compute seconds)
         self.overheads: dict[WaveId, deque[float]] = {}  # seconds per step besides compute
         self.answered_at: dict[WaveId, float] = {}  # when each wave's last read was answered
         self.active: dict[Hashable, bool] = {}
@@ -62,9 +69,12 @@ class BatchBalancer:
         answered = self.answered_at.pop(wave, None)
         if samples <= 0 or compute_s <= 0:  # kept even when off: placement reads the speeds
             return
-        rate = samples / compute_s
-        old = self.speed.get(wave)
-        self.speed[wave] = rate if old is None else (1 - ALPHA) * old + ALPHA * rate
+        self.pushes[wave] = self.pushes.get(wave, 0) + 1
+        if self.pushes[wave] <= WARMUP:
+            return
+        window = self.window.setdefault(wave, deque(maxlen=WINDOW))
+        window.append((samples, compute_s))
+        self.speed[wave] = sum(n for n, _ in window) / sum(s for _, s in window)
         self.seen[wave] = self.seen.get(wave, 0) + 1
         if answered is not None:
             cycle = (time.monotonic() if now is None else now) - answered
@@ -79,6 +89,8 @@ class BatchBalancer:
     def forget(self, wave: WaveId) -> None:
         self.speed.pop(wave, None)
         self.seen.pop(wave, None)
+        self.pushes.pop(wave, None)
+        self.window.pop(wave, None)
         self.overheads.pop(wave, None)
         self.answered_at.pop(wave, None)
 

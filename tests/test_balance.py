@@ -5,7 +5,7 @@ shard would see."""
 
 import pytest
 
-from wavelet.ps.balance import MIN_SAMPLES, BatchBalancer
+from wavelet.ps.balance import MIN_SAMPLES, WARMUP, BatchBalancer
 
 FAST, SLOW = ("w0", 0), ("w1", 0)
 LIVE = {FAST, SLOW}
@@ -15,9 +15,9 @@ def _balancer(mode="on", batch=32):
     return BatchBalancer(mode, batch, lambda wave: wave[1])  # a group per wave index
 
 
-def _feed(b, wave, samples, compute_s, overhead_s, steps=MIN_SAMPLES):
-    """``steps`` cycles of ``wave``: read answered at 0, push arriving after its overhead and
-    its compute."""
+def _feed(b, wave, samples, compute_s, overhead_s, steps=WARMUP + MIN_SAMPLES):
+    """``steps`` cycles of ``wave``: read answered at 100 s, push arriving after its overhead
+    and its compute."""
     for _ in range(steps):
         b.answered(wave, now=100.0)
         b.record(wave, samples, compute_s, now=100.0 + overhead_s + compute_s)
@@ -75,10 +75,24 @@ def test_auto_balances_only_while_the_waves_would_push_far_apart():
 @pytest.mark.timeout(10)
 def test_no_batch_before_every_wave_is_measured_nor_beyond_the_bounds():
     b = _balancer()
-    _feed(b, FAST, 32, 0.1, 0.0, steps=MIN_SAMPLES - 1)
+    _feed(b, FAST, 32, 0.1, 0.0, steps=WARMUP + MIN_SAMPLES - 1)
     _feed(b, SLOW, 32, 0.2, 0.0)
     assert b.batch_for(FAST, LIVE) == 0
     _feed(b, FAST, 32, 0.001, 0.0, steps=10)  # 100x faster: bounded at 4x the job's batch
     _feed(b, SLOW, 32, 0.2, 1.0, steps=10)  # and an overhead longer than the fast one's step
     assert b.batch_for(FAST, LIVE) == 4 * 32
     assert b.batch_for(SLOW, LIVE) == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_throttled_waves_speed_is_what_it_sustains_and_its_first_push_does_not_count():
+    """A cgroup cap lets one step run at full speed and stalls the next: the speed is what the
+    wave sustains (the mean of its rates would overstate it), and the first, allocating step
+    does not count."""
+    b = _balancer()
+    b.record(SLOW, 32, 1.0)  # the first step: allocations, cold caches
+    assert SLOW not in b.speed
+    for _ in range(4):
+        b.record(SLOW, 32, 0.1)  # within the quota: 320 samples/s
+        b.record(SLOW, 32, 0.3)  # the quota ran out: 107 samples/s
+    assert b.speed[SLOW] == pytest.approx(64 / 0.4)  # 160, where the rates average 213

@@ -226,6 +226,7 @@ def test_a_shard_on_a_node_measured_slow_moves_to_its_standbys_faster_node(tmp_p
     """Node 1's workers compute at half node 0's speed (their pushes say so): shard 1, on
     node 1 with its standby on node 0, should move; shard 0 (node 0) should not; nor should
     anything move before every node has been measured."""
+    from wavelet.ps.balance import MIN_SAMPLES, WARMUP
     from wavelet.ps.placement import SpeedPlacement
 
     service = service_for(tmp_path, job={"staleness": 0})
@@ -235,10 +236,10 @@ def test_a_shard_on_a_node_measured_slow_moves_to_its_standbys_faster_node(tmp_p
             for node in (0, 1)
         }
         balancer = service.updates.balancer
-        for _ in range(3):
+        for _ in range(WARMUP + MIN_SAMPLES):
             balancer.record(("w0", 0), 32, 0.1)  # 320 samples/s
         assert not placement[1].due()  # node 1 not measured yet
-        for _ in range(3):
+        for _ in range(WARMUP + MIN_SAMPLES):
             balancer.record(("w1", 0), 32, 0.2)  # 160 samples/s
         assert placement[1].due() and "2.0x slower" in placement[1].why
         assert not placement[0].due()
