@@ -193,11 +193,6 @@ class PushRound:
         if skip and any(self.sent):
             raise RuntimeError("a skipped step cannot have pushed gradients during backward")
         late = [i for i, sent in enumerate(self.sent) if not sent]
-        messages = {
-            i: c._push_message(i, self.clock, self.read_versions[i], self.lr_scale, skip)
-            for i in late
-        }
-        c.data.flush()
 
         def recover(i: int):
             # a standby that lacks this push (its primary died with it) is given it again
@@ -209,6 +204,10 @@ class PushRound:
             return c._recover(i, self.clock + 1, repush=again)
 
         for i in late:
-            c._send_in(self.exchange, i, *messages[i], recover)
+            # each shard's push goes out as soon as its gradients are in place: the first
+            # shard updates while the next one's are copied (into its shared-memory segment)
+            h, tensors = c._push_message(i, self.clock, self.read_versions[i], self.lr_scale, skip)
+            c.data.flush()
+            c._send_in(self.exchange, i, h, tensors, recover)
         pending = PendingPull(c, self.exchange, recover)
         return pending if defer else pending.result()
