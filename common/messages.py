@@ -8,6 +8,7 @@ type is a ``malformed`` error reply, never a crash.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,10 +100,14 @@ class PushRequest(Body):
     absent: list[int] = field(default_factory=list)
     samples: int = 0  # samples of this step's batch (a synchronous sum weighs by them)
     compute_s: float = 0.0  # the wave's last forward and backward, in seconds (its speed)
+    # the wave's last step besides computing and waiting (the wire, the loop): 0 not measured
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.samples < 0 or not self.compute_s >= 0:
-            raise ValueError("samples and compute_s must be >= 0")
+        if self.samples < 0 or not self.compute_s >= 0 or not self.overhead_s >= 0:
+            raise ValueError("samples, compute_s and overhead_s must be >= 0")
+        if math.isinf(self.compute_s) or math.isinf(self.overhead_s):
+            raise ValueError("compute_s and overhead_s must be finite")
         if self.skip and self.shm:
             raise ValueError("a skipped step carries no gradients, in frames or a segment")
         if self.skip and self.absent:

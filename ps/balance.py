@@ -1,28 +1,29 @@
-"""Speed-balanced batches: under a synchronous rule every wave of a step waits for the slowest, so
-each wave's batch follows its measured speed and the waves of a step finish together (LB-BSP,
+"""Speed-balanced batches: under a synchronous rule every wave of a step waits for the slowest,
+so each wave's batch follows its measured speed and the waves of a step finish together (LB-BSP,
 SoCC 2020; Cannikin, Middleware 2024). The step still averages over all its samples (the sums
-weigh each push by its samples, ``ps/synchronous.py``), so its meaning does not change; only
-how the samples are split among the waves does.
+weigh each push by its samples, ``ps/synchronous.py``), so its meaning does not change; only how
+the samples are split among the waves does.
 
 Each push says how many samples it carried and how long the wave computed them (forward and
 backward, no waiting); a wave's speed is its samples over its compute seconds in its last
 ``WINDOW`` pushes, a sum rather than an average of each push's rate (a node under a cgroup cap
-computes one step at full speed and the next at a fraction, as its quota runs out: a
-throttled node's rates swung 2.5x from one push to the next), and its first ``WARMUP`` pushes
-are not counted (the first step allocates: it measured a third of the later ones' speed). It also
-times, on the shard, each wave's whole cycle from the answer to its read to the arrival of its
-push: what is not compute there (the weights and gradients on the wire, a loop's own work) is
-the wave's overhead, a cost per step whatever its batch (the median of the last ``OVERHEADS``,
-so that one stall does not swing the batches). A wave that computes its samples in b / v
+computes one step at full speed and the next at a fraction, as its quota runs out: a throttled
+node's rates swung 2.5x from one push to the next), and its first ``WARMUP`` pushes are not
+counted (the first step allocates: it measured a third of the later ones' speed). Each push also
+says what the wave's last step cost besides computing and waiting for its turn (the weights and
+gradients on the wire to every shard, the loop's own work): the wave's overhead, a cost per step
+whatever its batch (the median of its last ``OVERHEADS``, so that one stall does not swing the
+batches). The wave measures it, not the shard: a shard sees only its own wire, and where each
+node hosts a shard every wave is remote to one of them. A wave that computes its samples in b / v
 seconds after an overhead o pushes at o + b / v; the balancer answers each read with the batch
-that makes those times equal across a group: with B the group's samples per step (its waves
-times the job's batch), every wave pushes at t = (B + sum v o) / sum v, and wave i takes
-v_i (t - o_i), each at least 1 and at most ``MAX_FACTOR`` times the job's batch (measured here,
-a remote node's push arrived 28 ms after a local one's when only speeds counted: a seventh of
-each turn). ``balance_batches = "auto"`` balances only while, at equal batches, the slowest wave
-of a group would push over ``ON_SPREAD`` times later than the fastest, and stops below
-``OFF_SPREAD`` (a co-tenant that comes and goes); ``wavelet stats`` and the summary's update
-rule say when it balances, and how far apart the waves were.
+that makes those times equal across a group: with B the group's samples per step (its waves times
+the job's batch), every wave pushes at t = (B + sum v o) / sum v, and wave i takes v_i (t - o_i),
+each at least 1 and at most ``MAX_FACTOR`` times the job's batch (measured here, a remote node's
+push arrived 28 ms after a local one's when only speeds counted: a seventh of each turn).
+``balance_batches = "auto"`` balances only while, at equal batches, the slowest wave of a group
+would push over ``ON_SPREAD`` times later than the fastest, and stops below ``OFF_SPREAD`` (a co-
+tenant that comes and goes); ``wavelet stats`` and the summary's update rule say when it
+balances, and how far apart the waves were.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ ON_SPREAD = 1.3  # auto: balance once the fastest wave is this much faster than 
 OFF_SPREAD = 1.15  # auto: and go back to equal batches below this
 MAX_FACTOR = 4  # no wave's batch beyond this many times the job's
 MIN_SAMPLES = 3  # measurements of every wave before its speed counts
-OVERHEADS = 8  # each wave's overhead: the median of this many last cycles
+OVERHEADS = 8  # each wave's overhead: the median of its last this many steps
 
 
 class BatchBalancer:
@@ -53,20 +54,12 @@ class BatchBalancer:
         self.pushes: dict[WaveId, int] = {}  # pushes measured, the WARMUP ones too
         self.window: dict[WaveId, deque[tuple[int, float]]] = {}  # (samples, compute seconds)
         self.overheads: dict[WaveId, deque[float]] = {}  # seconds per step besides compute
-        self.answered_at: dict[WaveId, float] = {}  # when each wave's last read was answered
         self.active: dict[Hashable, bool] = {}
         self.changes: list[dict] = []  # when auto turned balancing on or off, and why
 
-    def answered(self, wave: WaveId, now: float | None = None) -> None:
-        """``wave``'s read was answered (its weights are on their way): its cycle starts."""
-        self.answered_at[wave] = time.monotonic() if now is None else now
-
-    def record(
-        self, wave: WaveId, samples: int, compute_s: float, now: float | None = None
-    ) -> None:
-        """A push of ``samples`` computed in ``compute_s`` seconds (0: not measured), arriving
-        ``now``."""
-        answered = self.answered_at.pop(wave, None)
+    def record(self, wave: WaveId, samples: int, compute_s: float, overhead_s: float = 0.0) -> None:
+        """A push of ``samples`` computed in ``compute_s`` seconds (0: not measured), whose
+        wave's last step cost ``overhead_s`` seconds besides (0: not measured)."""
         if samples <= 0 or compute_s <= 0:  # kept even when off: placement reads the speeds
             return
         self.pushes[wave] = self.pushes.get(wave, 0) + 1
@@ -76,10 +69,8 @@ class BatchBalancer:
         window.append((samples, compute_s))
         self.speed[wave] = sum(n for n, _ in window) / sum(s for _, s in window)
         self.seen[wave] = self.seen.get(wave, 0) + 1
-        if answered is not None:
-            cycle = (time.monotonic() if now is None else now) - answered
-            overheads = self.overheads.setdefault(wave, deque(maxlen=OVERHEADS))
-            overheads.append(max(0.0, cycle - compute_s))
+        if overhead_s > 0:
+            self.overheads.setdefault(wave, deque(maxlen=OVERHEADS)).append(overhead_s)
 
     def overhead(self, wave: WaveId) -> float:
         """``wave``'s seconds per step besides its compute (0 until measured)."""
@@ -92,7 +83,6 @@ class BatchBalancer:
         self.pushes.pop(wave, None)
         self.window.pop(wave, None)
         self.overheads.pop(wave, None)
-        self.answered_at.pop(wave, None)
 
     def batch_for(self, wave: WaveId, live: set[WaveId]) -> int:
         """The batch ``wave`` should take next (0: the job's, unchanged)."""

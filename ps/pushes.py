@@ -55,6 +55,7 @@ class PushesAndReads:
                 self.stats[wave],
                 body.samples,
                 body.compute_s,
+                body.overhead_s,
             )
             self.stats[wave].record_push(tau)
         self.clocks.advance(wave)

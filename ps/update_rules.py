@@ -138,14 +138,16 @@ class Updates:
         stats: WaveStats,
         samples: int = 0,
         compute_s: float = 0.0,
+        overhead_s: float = 0.0,
     ) -> tuple[str, float]:
         """Apply a validated push now (asynchronous: as the policy decides) or add it to its
         group's open sum; returns what was done and the learning-rate factor used. ``absent``:
-        chunks the push has no gradient for, left out of the update; ``samples`` and
-        ``compute_s``: its batch and how long the wave computed it (balanced batches)."""
+        chunks the push has no gradient for, left out of the update; ``samples``,
+        ``compute_s`` and ``overhead_s``: its batch, how long the wave computed it and what
+        else its step cost (balanced batches)."""
         grads = self.shard.gradients(tensors, absent)
         self.shard.store_buffers(wave, tensors)
-        self.balancer.record(wave, samples, compute_s)
+        self.balancer.record(wave, samples, compute_s, overhead_s)
         if self.synchronous:
             # The gradients of one clock of a group read the same version: average them (over
             # their samples, where batches differ).
@@ -184,8 +186,6 @@ class Updates:
         return self.bound.may_read(clock, self.clocks)
 
     def on_read(self, wave: WaveId) -> None:
-        """``wave``'s read is answered now."""
-        self.balancer.answered(wave)
         if not self.synchronous:
             self.policy.on_read(wave, self.shard.params)
 

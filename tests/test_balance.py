@@ -1,7 +1,7 @@
 """Speed-balanced batches (ps/balance.py): each wave's batch is what makes the waves of a step
 push at the same moment, its compute and its overhead per step (the wire) both counted, from
-measurements that one stall does not swing. Arithmetic only: the balancer is fed the times a
-shard would see."""
+measurements that one stall does not swing. Arithmetic only: the balancer is fed the times the
+waves' pushes would report."""
 
 import pytest
 
@@ -16,11 +16,9 @@ def _balancer(mode="on", batch=32):
 
 
 def _feed(b, wave, samples, compute_s, overhead_s, steps=WARMUP + MIN_SAMPLES):
-    """``steps`` cycles of ``wave``: read answered at 100 s, push arriving after its overhead
-    and its compute."""
+    """``steps`` pushes of ``wave``, each saying what its step cost besides computing."""
     for _ in range(steps):
-        b.answered(wave, now=100.0)
-        b.record(wave, samples, compute_s, now=100.0 + overhead_s + compute_s)
+        b.record(wave, samples, compute_s, overhead_s)
 
 
 def _push_time(b, wave, batch):

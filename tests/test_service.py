@@ -61,6 +61,9 @@ def test_bodies_are_typed_and_checked_in_one_place(tmp_path):
         (Op.PULL, {"observer": 1}, "body.observer"),
         (Op.REGISTER, {"resume": True, "extra": 1}, "unknown field"),
         (Op.PUSH, {"lr_scale": 2.0}, "lr_scale"),
+        (Op.PUSH, {"overhead_s": -1.0}, "overhead_s"),
+        (Op.PUSH, {"overhead_s": float("nan")}, "overhead_s"),
+        (Op.PUSH, {"compute_s": float("inf")}, "finite"),
     ]
     for op, body, words in bad:
         h = wave.request(op, body=body, clock=0)

@@ -100,10 +100,12 @@ class PSClient(Recovery):
         # when the wave's training budget ends (monotonic; None: no budget): a wait for the
         # shards past it ends the wave (BudgetSpent) instead of outliving --max-seconds
         self.budget_ends: float | None = None
-        # what each push tells of its step: its batch's samples, and the wave's last forward
-        # and backward in seconds (a synchronous sum weighs by the first, balancing uses both)
+        # what each push tells of its step: its batch's samples, the wave's last forward and
+        # backward in seconds, and its seconds per step besides (a synchronous sum weighs by
+        # the first, balancing uses all three)
         self.step_samples = 0
         self.step_compute_s = 0.0
+        self.step_overhead_s = 0.0
         self.transport = transport
         self.tcp_reasons: dict[str, str] = {}  # shard address -> why it is reached over TCP
 
@@ -216,6 +218,7 @@ class PSClient(Recovery):
             absent=[] if skip else self.data.without_gradient(shard),
             samples=self.step_samples,
             compute_s=self.step_compute_s,
+            overhead_s=self.step_overhead_s,
         )
         h = self._header(
             Op.PUSH_PULL,

@@ -97,6 +97,7 @@ class Wave:
         synchronous = job.staleness == 0 or job.updates in BOUNDLESS_UPDATES
         self.balanced = synchronous and job.balance_batches != "off"
         self.batch_size = job.batch_size
+        self.last_push_at: float | None = None  # perf_counter() of the last push's finish
         name = f"worker-{config.rank}-wave-{ident.local}"
         self.records = RecordWriter(Path(config.run_dir) / "records" / f"{name}.jsonl")
 
@@ -310,6 +311,17 @@ class Wave:
         if self.job.max_grad_norm and finite:
             rec["grad_norm"] = clip_gradients(model.parameters(), self.job.max_grad_norm)
         t2 = time.perf_counter()
+        compute_wait = (t1 - t0 - forward_s - rec["pull_wait_s"]) + (
+            backward_end - t1 - backward_run_s
+        )
+        if self.last_push_at is not None:
+            # the step's cost besides computing, waiting for its turn and for the device: the
+            # wire both ways, the loop's own work (balanced batches weigh it: ps/balance.py)
+            cycle = t2 - self.last_push_at
+            client.step_overhead_s = max(
+                0.0, cycle - client.step_compute_s - pulled.parked_s - baton_wait - compute_wait
+            )
+        self.last_push_at = t2
         next_pull = push.finish(skip=not finite, defer=self.puller is not None)
         self.loss_scale.update(finite)
         t3 = time.perf_counter()
@@ -326,8 +338,7 @@ class Wave:
             forward_s=forward_s,
             backward_s=backward_run_s + (t2 - backward_end),
             # waiting for the thread that computes for every wave (worker/compute.py)
-            compute_wait_s=(t1 - t0 - forward_s - rec["pull_wait_s"])
-            + (backward_end - t1 - backward_run_s),
+            compute_wait_s=compute_wait,
             push_pull_s=t3 - t2,
             pushed_in_backward=push.early,  # shards pushed from gradient hooks
             # how long backward went on after the first of them: the overlap gained
