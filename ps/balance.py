@@ -85,17 +85,20 @@ class BatchBalancer:
         self.overheads.pop(wave, None)
 
     def batch_for(self, wave: WaveId, live: set[WaveId]) -> int:
-        """The batch ``wave`` should take next (0: the job's, unchanged)."""
+        """The batch ``wave`` should take next (0 where balancing is off: the job's). Where it
+        is on or auto but not balancing now, the job's batch, said outright: a wave keeps the
+        last batch it was told, and one balanced earlier (a co-tenant that left, a group that
+        changed) must come back to it."""
         if self.mode == "off":
             return 0
         group = self.group_of(wave)
         members = [w for w in live if self.group_of(w) == group]
         if len(members) < 2 or any(self.seen.get(w, 0) < MIN_SAMPLES for w in members):
-            return 0
+            return self.batch_size
         speeds = {w: self.speed[w] for w in members}
         overheads = {w: self.overhead(w) for w in members}
         if not self._balancing(group, speeds, overheads):
-            return 0
+            return self.batch_size
         total = self.batch_size * len(members)
         # every wave of the group pushes at t: o_i + b_i / v_i = t, and sum b_i = total
         t = (total + sum(speeds[w] * overheads[w] for w in members)) / sum(speeds.values())

@@ -61,13 +61,14 @@ def test_one_stalled_cycle_does_not_swing_the_batches():
 def test_auto_balances_only_while_the_waves_would_push_far_apart():
     b = _balancer("auto")
     _feed(b, FAST, 32, 0.1, 0.01)
-    _feed(b, SLOW, 32, 0.11, 0.01)  # within ON_SPREAD: equal batches (0: the job's)
-    assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 0
+    _feed(b, SLOW, 32, 0.11, 0.01)  # within ON_SPREAD: equal batches, the job's
+    assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 32
     _feed(b, SLOW, 32, 0.4, 0.01, steps=10)  # a co-tenant arrives on the slow wave's node
     assert b.batch_for(FAST, LIVE) > 32 > b.batch_for(SLOW, LIVE) > 0
     assert "balanced batches" in b.describe()
-    _feed(b, SLOW, 32, 0.1, 0.01, steps=10)  # and leaves
-    assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 0
+    _feed(b, SLOW, 32, 0.1, 0.01, steps=10)  # and leaves: back to the job's batch, said
+    # outright, for a wave keeps the last batch it was told
+    assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 32
 
 
 @pytest.mark.timeout(10)
@@ -75,7 +76,7 @@ def test_no_batch_before_every_wave_is_measured_nor_beyond_the_bounds():
     b = _balancer()
     _feed(b, FAST, 32, 0.1, 0.0, steps=WARMUP + MIN_SAMPLES - 1)
     _feed(b, SLOW, 32, 0.2, 0.0)
-    assert b.batch_for(FAST, LIVE) == 0
+    assert b.batch_for(FAST, LIVE) == 32  # the job's
     _feed(b, FAST, 32, 0.001, 0.0, steps=10)  # 100x faster: bounded at 4x the job's batch
     _feed(b, SLOW, 32, 0.2, 1.0, steps=10)  # and an overhead longer than the fast one's step
     assert b.batch_for(FAST, LIVE) == 4 * 32
@@ -94,3 +95,11 @@ def test_a_throttled_waves_speed_is_what_it_sustains_and_its_first_push_does_not
         b.record(SLOW, 32, 0.1)  # within the quota: 320 samples/s
         b.record(SLOW, 32, 0.3)  # the quota ran out: 107 samples/s
     assert b.speed[SLOW] == pytest.approx(64 / 0.4)  # 160, where the rates average 213
+
+
+@pytest.mark.timeout(10)
+def test_balancing_off_answers_nothing_and_leaves_the_batches_alone():
+    b = _balancer("off")
+    _feed(b, FAST, 32, 0.1, 0.0)
+    _feed(b, SLOW, 32, 0.4, 0.0)
+    assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 0  # 0: unchanged
