@@ -23,6 +23,8 @@ import torch
 SHM_DIR = Path(os.environ.get("WAVELET_SHM_DIR", "/dev/shm"))
 HEADER_BYTES = 64  # the nonce, then padding; chunks start 64-byte aligned after it
 ALIGN = 64
+NONCE_CHARS = 16  # hex: 64 random bits
+ANONYMOUS_NAME = "wavelet-wave"  # the memfd name of a wave's memory (``Segment.anonymous``)
 
 
 def run_prefix(run_dir: str | Path) -> str:
@@ -92,11 +94,49 @@ class Segment:
         return segment
 
     @classmethod
+    def anonymous(cls, size: int) -> Segment:
+        """A segment no file in the shared-memory folder names (a memfd): its memory goes with
+        the last process that maps it, even after kill -9, so there is nothing to clean up.
+        Another process of this user on this host maps it by ``proc_open`` (its pid and fd)."""
+        if not hasattr(os, "memfd_create"):
+            raise OSError("this system has no memfd_create (Linux only)")
+        fd = os.memfd_create(ANONYMOUS_NAME, os.MFD_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, 0, size)  # every page reserved now (see ``create``)
+            segment = cls(Path(f"/proc/{os.getpid()}/fd/{fd}"), size, fd, owner=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        segment.nonce = secrets.token_hex(NONCE_CHARS // 2)
+        segment._map[: len(segment.nonce)] = segment.nonce.encode()
+        return segment
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @classmethod
+    def proc_open(cls, pid: int, fd: int, size: int, nonce: str) -> Segment:
+        """Map another process's ``anonymous`` segment; OSError unless it is the one offered.
+        The offer comes from a peer: only a wave memory of this host, with its full random
+        nonce, is ever mapped (never a file a peer names by guessing a pid and descriptor)."""
+        if pid <= 0 or fd < 0 or len(nonce) < NONCE_CHARS:
+            raise OSError(f"bad offer: process {pid}, descriptor {fd}, nonce {nonce!r}")
+        path = Path(f"/proc/{pid}/fd/{fd}")
+        if not os.readlink(path).startswith(f"/memfd:{ANONYMOUS_NAME} "):
+            raise OSError(f"process {pid}'s descriptor {fd} is not a wave's memory")
+        return cls._open(path, size, nonce)
+
+    @classmethod
     def open(cls, name: str, size: int, nonce: str) -> Segment:
         """Map segment ``name``; raises OSError unless it is the one offered (same nonce)."""
         if "/" in name or not name:
             raise OSError(f"bad segment name {name!r}")
-        path = SHM_DIR / name
+        return cls._open(SHM_DIR / name, size, nonce)
+
+    @classmethod
+    def _open(cls, path: Path, size: int, nonce: str) -> Segment:
+        name = path.name
         fd = os.open(path, os.O_RDWR)
         try:
             if os.fstat(fd).st_size != size:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from wavelet.common.daemon_config import PSConfig
-from wavelet.common.messages import AttachReply
+from wavelet.common.messages import AttachReply, AttachRequest
 from wavelet.common.protocol import ErrorCode, Header, ProtocolError, wave_name
-from wavelet.common.shm import run_prefix
+from wavelet.common.shm import Segment, run_prefix
 from wavelet.ps.segments import NoSpaceForSegments, SegmentStore, WaveSegments
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import WaveId
@@ -50,7 +50,8 @@ class ShardDataPath:
         self.segments: SegmentStore | None = None
         self.slots: WeightSlots | None = None
         self.shard: Shard | None = None
-        self.reads = {"in_place": 0, "copied": 0}  # shared-memory pulls, by how they were served
+        # shared-memory pulls, by how they were served
+        self.reads = {"into_wave": 0, "in_place": 0, "copied": 0}
         if config.shm:
             # per run dir, so that a restarted shard or the launcher finds what a killed one left
             base = run_prefix(config.run_dir) if config.run_dir else f"wavelet-{pid}-"
@@ -93,12 +94,19 @@ class ShardDataPath:
         chunks of about that many bytes, in the shard's order, so the wave can start on the
         first layers' weights while the rest are on the wire (worker/pull_hooks.py)."""
         if shm and wave is not None:
+            segments = self._segments_of(wave)
+            if segments.memory_views is not None:  # into the wave's own parameters
+                self.reads["into_wave"] += 1
+                for view, mine, value in zip(
+                    segments.pull_views, segments.memory_views, values, strict=True
+                ):
+                    (view if mine is None else mine).copy_(value)
+                body = {**header.body, "in_wave_memory": True}
+                return [Outgoing(peer, dataclasses.replace(header, body=body))]
             slot = self._pin(wave)
             self.reads["copied" if slot < 0 else "in_place"] += 1
             specs = self.shard.specs if self.shard is not None else []
-            for i, (view, value) in enumerate(
-                zip(self._segments_of(wave).pull_views, values, strict=True)
-            ):
+            for i, (view, value) in enumerate(zip(segments.pull_views, values, strict=True)):
                 if slot < 0 or not specs[i].trainable:
                     view.copy_(value)
             return [Outgoing(peer, dataclasses.replace(header, body={**header.body, "slot": slot}))]
@@ -118,12 +126,13 @@ class ShardDataPath:
             for part, (start, stop) in enumerate(runs)
         ]
 
-    def attach(self, wave: WaveId, transport: str, shard: Shard) -> AttachReply:
+    def attach(self, wave: WaveId, request: AttachRequest, shard: Shard) -> AttachReply:
         """How ``wave`` exchanges tensors from now on: new segments when it asks for shared
-        memory and the shard can make them, else TCP and why."""
+        memory and the shard can make them, else TCP and why; and whether pulled weights go
+        straight into the wave's own memory, where it offers it."""
         self.detach(wave)
         version = shard.version
-        if transport == "tcp":
+        if request.transport == "tcp":
             return AttachReply(version, "tcp")
         if self.segments is None:
             return AttachReply(version, "tcp", reason="the shard was started with --no-shm")
@@ -133,8 +142,13 @@ class ShardDataPath:
             log.warning("wave %s uses TCP: %s", wave_name(*wave), e)
             return AttachReply(version, "tcp", reason=str(e))
         slots = self._slots_for(shard)
+        refused = _use_wave_memory(segments, request, shard.specs) if request.memory_pid else ""
+        if refused:
+            log.info("weights for wave %s are copied: %s", wave_name(*wave), refused)
         return AttachReply(
             version=version,
+            wave_memory=segments.memory is not None,
+            memory_reason=refused,
             transport="shm",
             push_segment=segments.push.name,
             pull_segment=segments.pull.name,
@@ -200,6 +214,25 @@ class ShardDataPath:
                 "attach first (or send tensor frames)",
             )
         return segments
+
+
+def _use_wave_memory(segments: WaveSegments, request: AttachRequest, specs) -> str:
+    """Map the memory a wave offered for its weights (``worker/wave_memory.py``); why not, or
+    "" once it is in use. A bad offer costs the wave only the copy: it is never an error."""
+    if not all(s.wire == s.desc for s in specs if s.trainable):
+        return "its weights travel in another dtype than the shard keeps them"
+    try:
+        memory = Segment.proc_open(
+            request.memory_pid, request.memory_fd, request.memory_size, request.memory_nonce
+        )
+    except OSError as e:
+        return f"cannot map the wave's memory ({e})"
+    try:
+        segments.use_memory(memory, request.memory_offsets, specs)
+    except OSError as e:
+        memory.close()
+        return f"the wave's memory does not fit its offsets ({e})"
+    return ""
 
 
 def _runs(values: list[torch.Tensor], part_bytes: int) -> list[tuple[int, int]]:

@@ -39,12 +39,31 @@ class WaveSegments:
     offsets: list[int]
     push_views: list[torch.Tensor]  # one per chunk, in plan order
     pull_views: list[torch.Tensor]
+    # the wave's own parameter memory (worker/wave_memory.py), where it offered one and this
+    # shard could map it: a view per chunk, None for buffer chunks (they go by the pull segment)
+    memory: Segment | None = None
+    memory_views: list[torch.Tensor | None] | None = None
+
+    def use_memory(self, memory: Segment, offsets: list[int], specs: list[ChunkSpec]) -> None:
+        """Write pulled weights into ``memory``; OSError where the offsets do not fit it."""
+        trainable = [s for s in specs if s.trainable]
+        if len(offsets) != len(trainable):
+            raise OSError(
+                f"{len(offsets)} offsets for this shard's {len(trainable)} trainable chunks"
+            )
+        views = iter(memory.tensors(offsets, [s.desc for s in trainable]))
+        self.memory_views = [next(views) if s.trainable else None for s in specs]
+        self.memory = memory
 
     def close(self) -> None:
         self.push_views.clear()
         self.pull_views.clear()
         self.push.close()
         self.pull.close()
+        if self.memory is not None:
+            self.memory_views = None
+            self.memory.close()
+            self.memory = None
 
 
 __all__ = ["NoSpaceForSegments", "SegmentStore", "ShardRunning", "WaveSegments"]

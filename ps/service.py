@@ -290,7 +290,7 @@ class ShardService(PushesAndReads):
             ErrorCode.NOT_ATTACHED,
             "the wave attached again; pull again",
         )
-        reply = self.datapath.attach(wave, body.transport, self.shard)
+        reply = self.datapath.attach(wave, body, self.shard)
         self.stats[wave].transport = reply.transport
         return [*out, self._reply(peer, h, reply)]
 

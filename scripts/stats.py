@@ -94,9 +94,10 @@ def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
     for s in shards:
         reads = s.get("shm_reads") or {}
         in_shm = (
-            f", shared-memory pulls: {reads['in_place']} read in place, {reads['copied']} "
-            f"copied, weights moved {reads['slot_moves']}x"
-            if reads.get("in_place") or reads.get("copied")
+            f", shared-memory pulls: {reads.get('into_wave', 0)} written into the wave's memory, "
+            f"{reads['in_place']} read in place, {reads['copied']} copied, weights moved "
+            f"{reads['slot_moves']}x"
+            if reads.get("into_wave") or reads.get("in_place") or reads.get("copied")
             else ""
         )
         print(

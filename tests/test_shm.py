@@ -13,6 +13,7 @@ from helpers import RawClient, client_for, push_header, shard_values, tiny_model
 from wavelet.common import shm
 from wavelet.common.messages import PushRequest
 from wavelet.common.protocol import Header, Op, RemoteError, ShardError
+from wavelet.worker.wave_memory import WaveMemory
 
 JOB = ["--model", "mlp", "--dataset", "synthetic", "--staleness", "inf"]
 
@@ -37,9 +38,14 @@ def _step(model, client, pulled, clock, value):
 
 
 @pytest.mark.timeout(90)
-def test_concurrent_waves_never_read_torn_weights(shard_daemons):
+@pytest.mark.parametrize("wave_memory", [True, False], ids=["into-wave-memory", "from-slots"])
+def test_concurrent_waves_never_read_torn_weights(shard_daemons, monkeypatch, wave_memory):
     """Two waves push as fast as they can while a third only reads: whoever read version v
-    got the same weights, whole, read in place from the shard's weight slots or copied."""
+    got the same weights, whole: written by the shard into the wave's own parameters
+    (worker/wave_memory.py), or, for a wave that offers none, read in place from the shard's
+    weight slots or copied."""
+    if not wave_memory:
+        monkeypatch.setattr(WaveMemory, "fits", staticmethod(lambda tensors, chunks: False))
     daemons = shard_daemons(JOB, count=1)
     seen: list[dict] = [{}, {}, {}]
     errors = []
@@ -91,7 +97,10 @@ def test_concurrent_waves_never_read_torn_weights(shard_daemons):
         reads = stats.request(Header(op=Op.STATS)).body["shm_reads"]
     finally:
         stats.close()
-    assert reads["in_place"] > 0, reads  # the weights were read where the shard keeps them
+    if wave_memory:  # every pull went straight into the pulling wave's parameters
+        assert reads["into_wave"] > 0 and reads["in_place"] == reads["copied"] == 0, reads
+    else:  # the weights were read where the shard keeps them
+        assert reads["in_place"] > 0 and reads["into_wave"] == 0, reads
 
 
 def test_a_bad_push_through_the_segment_changes_nothing(shard_daemons):

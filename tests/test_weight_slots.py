@@ -45,7 +45,12 @@ def test_one_reader_between_updates_reads_in_place_and_the_weights_never_move(tm
         # what the slot holds is what the shard serves
         for mine, served in zip(_slot_values(service, slot), service.shard.values(), strict=True):
             assert torch.equal(mine, served)
-        assert service.datapath.read_counts() == {"in_place": 6, "copied": 0, "slot_moves": 0}
+        assert service.datapath.read_counts() == {
+            "into_wave": 0,
+            "in_place": 6,
+            "copied": 0,
+            "slot_moves": 0,
+        }
     finally:
         service.close()
 

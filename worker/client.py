@@ -286,7 +286,10 @@ class PSClient(Recovery):
             return
         self.data.use_tcp(i)
         self.tcp_reasons.pop(self.addresses[i], None)
-        offer = reply_body(Op.ATTACH, self._request_one(i, self._header(Op.ATTACH)))
+        ask = AttachRequest(transport="shm", **self.data.memory_offer(i))
+        offer = reply_body(Op.ATTACH, self._request_one(i, self._header(Op.ATTACH, body=ask)))
+        if offer.memory_reason:
+            log.info("shard %s copies weights for us: %s", self.addresses[i], offer.memory_reason)
         if offer.transport == "shm":
             try:
                 self.data.use_shm(i, offer)

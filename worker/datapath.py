@@ -9,10 +9,15 @@ bytes; the shard's mirror of this layer is ``ps/datapath.py``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from wavelet.common.sharding import Chunk, chunk_view
 from wavelet.common.shm import Segment
+from wavelet.worker.wave_memory import WaveMemory
+
+log = logging.getLogger(__name__)
 
 FP16_MAX = torch.finfo(torch.float16).max
 
@@ -31,6 +36,7 @@ class ShmLink:
         self.pull_views = pull.tensors(offsets, wires)
         self.slots: list[Segment] = []
         self.slot_views: list[list[torch.Tensor]] = []  # per slot, per trainable chunk
+        self.in_wave_memory = False  # the shard writes our weights into our own memory
 
     @classmethod
     def open(cls, offer, chunks: list[Chunk]) -> ShmLink:
@@ -41,6 +47,7 @@ class ShmLink:
             pull = Segment.open(offer.pull_segment, offer.size, offer.nonce)
             opened.append(pull)
             link = cls(push, pull, chunks, offer.offsets)
+            link.in_wave_memory = offer.wave_memory
             trainable = [c for c in chunks if c.trainable]
             if offer.weight_slots and len(offer.weight_offsets) != len(trainable):
                 raise OSError(
@@ -100,6 +107,8 @@ class WaveDataPath:
         self.chunks = chunks
         self.error_feedback = error_feedback
         self.links: list[ShmLink | None] = [None] * len(chunks)  # per shard, once attached
+        self.memory: WaveMemory | None = None  # our parameters' memory, shared with shards
+        self._memory_tried = False
         # (chunk key, dtype) -> pinned host copy (GPU): weights go up in fp32, gradients in wire
         self._staging: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._pending_device: torch.device | None = None
@@ -112,6 +121,19 @@ class WaveDataPath:
         """Reach ``shard`` through the segments it offered; OSError if they cannot be opened."""
         self.use_tcp(shard)
         self.links[shard] = ShmLink.open(offer, self.chunks[shard])
+
+    def memory_offer(self, shard: int) -> dict:
+        """What an attach request to ``shard`` says of our parameters' memory
+        (``worker/wave_memory.py``): made at the first shared-memory attach where it fits;
+        empty where there is none."""
+        if not self._memory_tried:
+            self._memory_tried = True
+            if WaveMemory.fits(self.tensors, self.chunks):
+                try:
+                    self.memory = WaveMemory.create(self.tensors, self.chunks)
+                except OSError as e:
+                    log.info("pulled weights are copied into the model: %s", e)
+        return self.memory.offer(self.chunks[shard]) if self.memory else {}
 
     def use_tcp(self, shard: int) -> None:
         if self.links[shard] is not None:
@@ -136,6 +158,9 @@ class WaveDataPath:
     def close(self) -> None:
         for i in range(len(self.links)):
             self.use_tcp(i)
+        if self.memory is not None:
+            self.memory.close()
+            self.memory, self._memory_tried = None, False
 
     # --- outgoing -----------------------------------------------------------------------------
 
@@ -180,19 +205,25 @@ class WaveDataPath:
         frames: list[torch.Tensor],
         start: int = 0,
         slot: int = -1,
+        in_wave_memory: bool = False,
     ) -> list[int]:
         """Copy weights from ``shard`` into our tensors: the run of its chunks from ``start`` that
         ``keys`` names, from ``frames`` (a reply, or one part of it), or all of them through
         shared memory when the reply says so (``slot``: the weight slot its trainable chunks
-        are in, ours to read until our next request). Returns the keys loaded; ValueError when
-        the reply names other chunks or a segment we lack."""
+        are in, ours to read until our next request; ``in_wave_memory``: the shard wrote them
+        into our parameters already). Returns the keys loaded; ValueError when the reply names
+        other chunks or a segment we lack."""
+        written = False
         if shm:
             link = self.links[shard]
             if link is None:
                 raise ValueError(
                     "answered through a shared-memory segment this wave has not attached"
                 )
-            frames = link.pulled(slot)
+            if in_wave_memory and not link.in_wave_memory:
+                raise ValueError("answered into a wave memory this wave did not offer")
+            written = in_wave_memory
+            frames = link.pulled(-1 if written else slot)
         chunks = self.chunks[shard][start : start + len(frames)]
         expected = [c.key for c in chunks]
         if list(keys) != expected or len(frames) != len(chunks):
@@ -202,6 +233,8 @@ class WaveDataPath:
             )
         with torch.no_grad():
             for c, value in zip(chunks, frames, strict=True):
+                if written and c.trainable:
+                    continue  # the shard wrote it where our parameter lives
                 target = chunk_view(self.tensors[c.name].data, c)
                 if target.device.type == "cpu":
                     target.copy_(value)

@@ -37,7 +37,8 @@ class SavedActivationMeter:
     The trace uses wall-clock time so traces of waves in different processes share one clock."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = (), clock=time.time):
-        self._exclude = {p.untyped_storage().data_ptr() for p in parameters}
+        self._parameters = list(parameters)
+        self._exclude: set[int] = set()
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self._lock = threading.Lock()
         self._freed: deque[int] = deque()  # releases not yet counted (deque appends are atomic)
@@ -49,6 +50,9 @@ class SavedActivationMeter:
         self._watch: tuple[int, object] | None = None
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        # the parameters' memory, found anew each pass: a wave's parameters move into memory
+        # the shards write (worker/wave_memory.py) after the meter is made
+        self._exclude = {p.untyped_storage().data_ptr() for p in self._parameters}
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def reset_peak(self) -> None:

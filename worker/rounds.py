@@ -82,7 +82,7 @@ class PullParts:
             self.bodies[i] = body
         try:
             keys = self.client.data.load(
-                i, body.shm, h.keys, tensors, self.next_chunk[i], body.slot
+                i, body.shm, h.keys, tensors, self.next_chunk[i], body.slot, body.in_wave_memory
             )
         except ValueError as e:
             raise ShardError(f"shard {address} {e}") from None
