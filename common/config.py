@@ -143,6 +143,12 @@ class JobConfig:
         help="push a shard's gradients as soon as backward has made all of them, not after "
         "backward (not with fp16 loss scaling, which needs every gradient to decide)",
     )
+    push_part_kib: int = setting(
+        0,
+        help="push_during_backward over TCP: send a shard's gradients in parts of about this "
+        "many KiB as backward makes them, so they cross the link while it goes on (0, the "
+        "default: one message per shard, once all its gradients are made)",
+    )
     pull_during_forward: bool = setting(
         False,
         help="start each layer's forward as soon as its own weights are in, while the shards' "
@@ -312,7 +318,14 @@ class JobConfig:
         check_settings(self)
         for name in ("batch_size", "waves", "shards", "pull_part_kib"):
             positive(name, getattr(self, name))
-        for name in ("epochs", "eval_every", "memory_trace_iters", "seed", "loader_workers"):
+        for name in (
+            "epochs",
+            "eval_every",
+            "memory_trace_iters",
+            "seed",
+            "loader_workers",
+            "push_part_kib",
+        ):
             non_negative(name, getattr(self, name))
         for name in ("max_seconds", "eval_every_s", "max_grad_norm"):
             non_negative(name, getattr(self, name))

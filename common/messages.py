@@ -110,6 +110,9 @@ class PushRequest(Body):
     compute_s: float = 0.0  # the wave's last forward and backward, in seconds (its speed)
     # the wave's last step besides computing and waiting (the wire, the loop): 0 not measured
     overhead_s: float = 0.0
+    # over TCP, a push may come in parts (ps/push_parts.py): more parts of this push follow;
+    # only the last is answered, for the whole push
+    more: bool = False
 
     def __post_init__(self) -> None:
         if self.samples < 0 or not self.compute_s >= 0 or not self.overhead_s >= 0:
@@ -118,6 +121,8 @@ class PushRequest(Body):
             raise ValueError("compute_s and overhead_s must be finite")
         if self.skip and self.shm:
             raise ValueError("a skipped step carries no gradients, in frames or a segment")
+        if self.more and (self.skip or self.shm):
+            raise ValueError("only a push of tensor frames comes in parts")
         if self.skip and self.absent:
             raise ValueError("a skipped step carries no gradients to leave out")
         if not 0.0 <= self.lr_scale <= 1.0:

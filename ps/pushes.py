@@ -8,6 +8,7 @@ service dispatches requests to them, the data path moves the bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -33,6 +34,8 @@ class PushesAndReads:
         started = time.perf_counter()
         wave = self.members.registered(h, peer)
         self.datapath.done_reading(wave)  # a wave's next request: it has read its last weights
+        keys, tensors = self.push_parts.whole(wave, h.clock, list(h.keys), list(tensors))
+        h = dataclasses.replace(h, keys=keys)
         self.shard.check_plan(h.plan)
         clock = self.clocks.clocks[wave]
         self._check_push_order(wave, clock, h)
@@ -74,6 +77,16 @@ class PushesAndReads:
         )
         self.updates.complete()
         return wave, action
+
+    def _push_part(self, peer: Peer, h: Header, tensors: list[torch.Tensor]) -> None:
+        """Keep a part of a push over TCP (ps/push_parts.py); never answered: a part of a wave
+        that is not registered is dropped, and its last part is refused as the push is."""
+        try:
+            wave = self.members.registered(h, peer)
+        except ProtocolError:
+            return None
+        self.push_parts.add(wave, h.clock, list(h.keys), list(tensors))
+        return None
 
     def _check_push_order(self, wave: WaveId, clock: int, h: Header) -> None:
         """Each clock is pushed once, in order, by a live wave, from a version this shard had."""

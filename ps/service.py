@@ -52,6 +52,7 @@ from wavelet.ps.datapath import Outgoing, ShardDataPath
 from wavelet.ps.membership import Membership
 from wavelet.ps.owners import Peer
 from wavelet.ps.parked import ParkedPulls
+from wavelet.ps.push_parts import PushParts
 from wavelet.ps.pushes import PushesAndReads
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import WaveId
@@ -94,6 +95,7 @@ class ShardService(PushesAndReads):
             op: getattr(self, f"rpc_{op}") for op in Op if op not in (Op.REPLY, Op.ERROR)
         }
         self.datapath = ShardDataPath(config, os.getpid())
+        self.push_parts = PushParts(lambda: self.shard.keys)
         self.checkpoints = Checkpointer(config, self.shard, self.clocks)
         self.members.on_change = self.checkpoints.log_membership
         self.standby: StandbyRole | None = None  # set where this service is a shard's standby
@@ -226,6 +228,7 @@ class ShardService(PushesAndReads):
         if self.shard.initialized:
             self.shard.check_plan(h.plan)
         wave, clock = self.members.register(peer, h, body.resume, body.exact)
+        self.push_parts.forget(wave)  # a push in parts before it is given again whole
         log.info("wave %s joined at clock %d", wave_name(*wave), clock)
         lost = self.checkpoints.lost_on_restore if body.resume else 0
         reply = RegisterReply(
@@ -263,11 +266,15 @@ class ShardService(PushesAndReads):
             peer, h.request_id, wave, h.clock, shm=body.shm, part_bytes=body.part_bytes
         )
 
-    def rpc_push(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing:
+    def rpc_push(self, peer, h: Header, body: PushRequest, tensors) -> Outgoing | None:
+        if body.more:
+            return self._push_part(peer, h, tensors)
         _, action = self._push(peer, h, body, tensors)
         return self._reply(peer, h, PushReply(self.shard.version, action))
 
     def rpc_push_pull(self, peer, h: Header, body: PushRequest, tensors) -> list[Outgoing]:
+        if body.more:
+            return self._push_part(peer, h, tensors)
         self.parked.check_room()  # before the push: a refused request must change nothing
         wave, action = self._push(peer, h, body, tensors)
         clock = self.clocks.clocks[wave]
@@ -340,6 +347,7 @@ class ShardService(PushesAndReads):
         """``wave`` leaves the membership: free what the shard kept for it (segments, DC-ASGD
         copy, buffer values) and answer its parked pulls; returns those answers."""
         self.members.leave(wave, why)
+        self.push_parts.forget(wave)
         self.updates.forget(wave)
         self.shard.forget_wave(wave)
         self.datapath.detach(wave)

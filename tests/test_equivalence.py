@@ -44,10 +44,13 @@ def _train_wave(
     wire_dtype="fp32",
     loader_waves: int = 0,
     early: list | None = None,
+    parts: list | None = None,
 ):
     """``early``: push each shard as backward makes its gradients (layers placement), and
     append, per step, the order the shards went out in and whether the first layer's gradient
-    was still to come then (backward still running)."""
+    was still to come then (backward still running). ``parts``: push during backward with every
+    parameter's gradient a part of its own over TCP, and append, per step of the TCP wave,
+    how many chunks went ahead in parts."""
     try:
         model = tiny_model()
         step_fn = load_step(step_name)
@@ -58,8 +61,10 @@ def _train_wave(
             placement=placement,
         )  # fmt: skip
         pusher = None
-        if early is not None:
+        if early is not None or parts is not None:
             pusher = PushDuringBackward(dict(model.named_parameters()), c.chunks)
+        if parts is not None:
+            c.push_part_bytes = 1
         try:
             c.register(0)
             assert c.transports == [transport] * len(addresses)
@@ -80,12 +85,15 @@ def _train_wave(
                         order.append((shard, first.grad is None))
                         push.send(shard)
 
-                    pusher.arm(send)
+                    pusher.arm(send, push.part)
                 step_fn(model, (x, y))[0].backward()
                 if pusher:
                     pusher.disarm()
-                    early.append(order)
+                    if early is not None:
+                        early.append(order)
                 pulled = push.finish()
+                if parts is not None and transport == "tcp":
+                    parts.append(sum(map(len, push.parted)))
                 assert pulled.versions == [step + 1] * len(addresses)
             c.leave()
         finally:
@@ -150,6 +158,17 @@ def test_bulk_synchronous_equals_single_process_when_pushing_during_backward(sha
     assert early == [[(1, True), (0, False)]] * (2 * STEPS)
 
 
+def test_bulk_synchronous_equals_single_process_when_pushing_in_parts(shard_daemons):
+    """Over TCP each parameter's gradients go ahead as a part of its shard's push as soon as
+    backward made them (ps/push_parts.py): each push is still applied whole, as one process."""
+    args = ["--optimizer", "sgd", "--lr", "0.1", "--set", "optimizer.kwargs.momentum=0.9"]
+    daemons = shard_daemons(["--staleness", "0", *args], count=2, expect_waves=2)
+    parts: list[int] = []
+    got = _train_waves(daemons.addresses, 2, parts=parts)
+    _assert_equal(got, _reference(2, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)))
+    assert len(parts) == STEPS and all(n > 0 for n in parts), parts  # parts did go ahead
+
+
 def _train_waves(
     addresses,
     waves: int,
@@ -157,6 +176,7 @@ def _train_waves(
     wire_dtype="fp32",
     loader: bool = False,
     early: list | None = None,
+    parts: list | None = None,
 ):
     """The shards' master weights after ``waves`` waves trained STEPS steps."""
     errors: list = []
@@ -164,7 +184,7 @@ def _train_waves(
     threads = [
         threading.Thread(
             target=_train_wave,
-            args=(addresses, w, errors, step_name, wire_dtype, loader_waves, early),
+            args=(addresses, w, errors, step_name, wire_dtype, loader_waves, early, parts),
         )
         for w in range(waves)
     ]

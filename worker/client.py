@@ -23,7 +23,6 @@ from wavelet.common.messages import (
     Body,
     InitRequest,
     PullRequest,
-    PushRequest,
     RegisterRequest,
     reply_body,
 )
@@ -74,6 +73,7 @@ class PSClient(Recovery):
         transport: str = "auto",
         error_feedback: bool = False,
         part_bytes: int = 0,
+        push_part_bytes: int = 0,
         lost_after_s: float = 10.0,
         on_move: Callable[[int, str], None] | None = None,
     ):
@@ -89,7 +89,13 @@ class PSClient(Recovery):
         self.stop = stop or threading.Event()
         # weights after a push come in messages of about this many bytes (0: one per shard)
         self.part_bytes = part_bytes
+        # a push over TCP during backward goes in parts of about this many bytes (0: whole)
+        self.push_part_bytes = push_part_bytes
         self.chunks = [plan.for_shard(i) for i in range(plan.num_shards)]
+        self._named: list[dict[str, list]] = [{} for _ in self.chunks]  # per shard, by tensor
+        for named, chunks in zip(self._named, self.chunks, strict=True):
+            for c in chunks:
+                named.setdefault(c.name, []).append(c)
         self._ids = itertools.count(1)
         self.data = WaveDataPath(tensors, self.chunks, error_feedback)
         context = context or zmq.Context.instance()
@@ -204,30 +210,9 @@ class PSClient(Recovery):
         rest and waits for every reply."""
         return PushRound(self, clock, read_versions, lr_scale)
 
-    def _push_message(
-        self, shard: int, clock: int, read_version: int, lr_scale: float, skip: bool
-    ) -> tuple[Header, list[torch.Tensor]]:
-        """Shard ``shard``'s push for ``clock``: its header, and its frames (none when the
-        gradients went into its shared-memory segment, or for a skipped step)."""
-        shm = self.data.shm(shard) and not skip
-        body = PushRequest(
-            lr_scale=lr_scale,
-            shm=shm,
-            skip=skip,
-            part_bytes=self.part_bytes,
-            absent=[] if skip else self.data.without_gradient(shard),
-            samples=self.step_samples,
-            compute_s=self.step_compute_s,
-            overhead_s=self.step_overhead_s,
-        )
-        h = self._header(
-            Op.PUSH_PULL,
-            clock=clock,
-            read_version=read_version,
-            keys=[] if skip else [c.key for c in self.chunks[shard]],
-            body=body,
-        )
-        return h, [] if skip else self.data.gradients(shard)
+    def chunks_named(self, shard: int, name: str) -> list:
+        """Shard ``shard``'s chunks of tensor ``name``."""
+        return self._named[shard].get(name, [])
 
     @property
     def round_trip_bytes(self) -> int:

@@ -181,6 +181,10 @@ class WaveDataPath:
             self._gradient_into(c, view)
         return []
 
+    def frames(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """Our gradients (and buffer values) for ``chunks`` of a shard reached over TCP."""
+        return [self._push_tensor(c) for c in chunks]
+
     def without_gradient(self, shard: int) -> list[int]:
         """Keys of ``shard``'s trainable chunks whose parameter has no gradient this step (the
         loss did not use it): the push carries zeros for them and names them, so that the

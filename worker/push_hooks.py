@@ -33,19 +33,24 @@ class PushDuringBackward:
                 self.shards_of.setdefault(name, []).append(shard)
         self.pending: list[set[str]] = []
         self.send: Callable[[int], None] | None = None
+        self.part: Callable[[int, str], None] | None = None
         self.handles = [
             p.register_post_accumulate_grad_hook(self._hook_for(name))
             for name, p in params.items()
             if name in self.shards_of
         ]
 
-    def arm(self, send: Callable[[int], None]) -> None:
-        """Call ``send`` for each shard as its gradients become ready in the next backward."""
+    def arm(
+        self, send: Callable[[int], None], part: Callable[[int, str], None] | None = None
+    ) -> None:
+        """Call ``send`` for each shard as its gradients become ready in the next backward,
+        and ``part(shard, name)`` as each of its parameters' is."""
         self.pending = [set(names) for names in self.needs]
         self.send = send
+        self.part = part
 
     def disarm(self) -> None:
-        self.send = None
+        self.send = self.part = None
 
     def close(self) -> None:
         for h in self.handles:
@@ -57,10 +62,13 @@ class PushDuringBackward:
             send = self.send
             if send is None:  # not armed: a backward of the user's own, an evaluation
                 return
+            part = self.part
             for shard in self.shards_of[name]:
                 waiting = self.pending[shard]
                 waiting.discard(name)
                 if not waiting:
                     send(shard)
+                elif part is not None:
+                    part(shard, name)
 
         return ready

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wavelet.common.messages import WeightsReply, reply_body
+from wavelet.common.messages import PushRequest, WeightsReply, reply_body
 from wavelet.common.protocol import Header, Op, ShardError
+from wavelet.common.sharding import Chunk
 
 
 class StopRequested(Exception):
@@ -164,6 +165,10 @@ class PushRound:
         self.exchange = client._open_exchange(pull=True)
         self.sent = [False] * len(client.links)
         self.first_sent_at: float | None = None  # time.perf_counter() of the first send
+        shards = len(client.links)
+        self.parted: list[set[int]] = [set() for _ in range(shards)]  # keys gone in parts
+        self.ready: list[list] = [[] for _ in range(shards)]  # chunks made, not yet sent
+        self.ready_bytes = [0] * shards
 
     @property
     def early(self) -> int:
@@ -179,11 +184,41 @@ class PushRound:
         self.sent[shard] = True
         if self.first_sent_at is None:
             self.first_sent_at = time.perf_counter()
-        h, tensors = c._push_message(
-            shard, self.clock, self.read_versions[shard], self.lr_scale, False
+        h, tensors = push_message(
+            c,
+            shard,
+            self.clock,
+            self.read_versions[shard],
+            self.lr_scale,
+            False,
+            frozenset(self.parted[shard]),
         )
         c.data.flush()
         c._send_in(self.exchange, shard, h, tensors, None)
+
+    def part(self, shard: int, name: str) -> None:
+        """Backward made parameter ``name``'s gradient: over TCP, once ``push_part_bytes`` of
+        ``shard``'s chunks are made, they go ahead as a part of its push (ps/push_parts.py),
+        to cross the link while backward goes on. A part that cannot be queued now goes with
+        the last one."""
+        c = self.client
+        if not c.push_part_bytes or self.sent[shard] or c.data.shm(shard):
+            return
+        if c.links[shard].restarted:
+            return
+        made = [ch for ch in c.chunks_named(shard, name) if ch.key not in self.parted[shard]]
+        self.ready[shard] += made
+        self.ready_bytes[shard] += sum(ch.wire_nbytes for ch in made)
+        if self.ready_bytes[shard] < c.push_part_bytes:
+            return
+        chunks, self.ready[shard], self.ready_bytes[shard] = self.ready[shard], [], 0
+        h, tensors = push_part_message(c, shard, self.clock, self.read_versions[shard], chunks)
+        c.data.flush()
+        h.request_id = self.exchange.request_id
+        if c._try_send(shard, h, tensors):
+            self.parted[shard].update(ch.key for ch in chunks)
+            if self.first_sent_at is None:
+                self.first_sent_at = time.perf_counter()
 
     def finish(self, skip: bool = False, defer: bool = False) -> PullResult | PendingPull:
         """Push to every shard not pushed yet (``skip``: with no gradients, the fp16 overflow
@@ -197,8 +232,13 @@ class PushRound:
         def recover(i: int):
             # a standby that lacks this push (its primary died with it) is given it again
             def again():
-                return c._push_message(
-                    i, self.clock, self.read_versions[i], self.lr_scale, skip and not self.sent[i]
+                return push_message(
+                    c,
+                    i,
+                    self.clock,
+                    self.read_versions[i],
+                    self.lr_scale,
+                    skip and not self.sent[i],
                 )
 
             return c._recover(i, self.clock + 1, repush=again)
@@ -206,8 +246,57 @@ class PushRound:
         for i in late:
             # each shard's push goes out as soon as its gradients are in place: the first
             # shard updates while the next one's are copied (into its shared-memory segment)
-            h, tensors = c._push_message(i, self.clock, self.read_versions[i], self.lr_scale, skip)
+            h, tensors = push_message(
+                c,
+                i,
+                self.clock,
+                self.read_versions[i],
+                self.lr_scale,
+                skip,
+                frozenset(self.parted[i]),
+            )
             c.data.flush()
             c._send_in(self.exchange, i, h, tensors, recover)
         pending = PendingPull(c, self.exchange, recover)
         return pending if defer else pending.result()
+
+
+def push_part_message(
+    client, shard: int, clock: int, read_version: int, chunks: list[Chunk]
+) -> tuple[Header, list[torch.Tensor]]:
+    """One part of a push over TCP (``PushRequest.more``): ``chunks``' gradients."""
+    keys = [chunk.key for chunk in chunks]
+    body = PushRequest(more=True)
+    h = client._header(Op.PUSH_PULL, clock=clock, read_version=read_version, keys=keys, body=body)
+    return h, client.data.frames(chunks)
+
+
+def push_message(
+    client,
+    shard: int,
+    clock: int,
+    read_version: int,
+    lr_scale: float,
+    skip: bool,
+    sent: frozenset[int] = frozenset(),
+) -> tuple[Header, list[torch.Tensor]]:
+    """Shard ``shard``'s push for ``clock``: its header, and its frames (none when the
+    gradients went into its shared-memory segment, or for a skipped step); ``sent``: keys of
+    chunks that went ahead in parts (``push_part_message``), which its last part leaves out."""
+    data = client.data
+    body = PushRequest(
+        lr_scale=lr_scale,
+        shm=data.shm(shard) and not skip,
+        skip=skip,
+        part_bytes=client.part_bytes,
+        absent=[] if skip else data.without_gradient(shard),
+        samples=client.step_samples,
+        compute_s=client.step_compute_s,
+        overhead_s=client.step_overhead_s,
+    )
+    chunks = [] if skip else [c for c in client.chunks[shard] if c.key not in sent]
+    keys = [chunk.key for chunk in chunks]
+    h = client._header(Op.PUSH_PULL, clock=clock, read_version=read_version, keys=keys, body=body)
+    if skip:
+        return h, []
+    return h, data.frames(chunks) if sent else data.gradients(shard)

@@ -155,6 +155,7 @@ class Wave:
             self.config.transport,
             job.wire_error_feedback,
             part_bytes=job.pull_part_kib * 1024 if job.pull_during_forward else 0,
+            push_part_bytes=job.push_part_kib * 1024,
             lost_after_s=job.shard_timeout_s,
             on_move=self.on_move,
         )
@@ -297,7 +298,8 @@ class Wave:
         client.step_samples = batch_samples(batch)
         push = client.start_push(clock, pulled.versions, lr_scale)
         if self.pusher is not None:
-            self.pusher.arm(push.send)  # each shard's push as soon as backward made it
+            # each shard's push as soon as backward made it, over TCP in parts as it goes
+            self.pusher.arm(push.send, push.part)
         try:
             backward_run_s = self.compute(self._backward, model, meter, self.loss_scale.scale(loss))
         finally:
@@ -341,6 +343,7 @@ class Wave:
             compute_wait_s=compute_wait,
             push_pull_s=t3 - t2,
             pushed_in_backward=push.early,  # shards pushed from gradient hooks
+            pushed_in_parts=sum(map(len, push.parted)),  # chunks that went ahead (TCP)
             # how long backward went on after the first of them: the overlap gained
             push_overlap_s=backward_end - push.first_sent_at if push.first_sent_at else 0.0,
             wire_bytes=client.round_trip_bytes // (1 if finite else 2),  # a skip sends nothing
