@@ -46,8 +46,8 @@ class PushParts:
         if len(keys) != len(tensors):
             parts.broken = f"a part named {len(keys)} chunks and carried {len(tensors)} tensors"
         elif any(k not in held for k in keys):
-            parts.broken = f"a part carried key {next(k for k in keys if k not in held)}, which "
-            parts.broken += "this shard does not hold"
+            stranger = next(k for k in keys if k not in held)
+            parts.broken = f"a part carried key {stranger}, which this shard does not hold"
         elif len(set(keys)) != len(keys) or any(k in parts.tensors for k in keys):
             parts.broken = "a part carried a chunk twice"
         if parts.broken:
