@@ -89,8 +89,7 @@ class Segment:
                     "container gets 64 MB unless run with a larger --shm-size)"
                 ) from None
             raise
-        segment.nonce = nonce or secrets.token_hex(8)
-        segment._map[: len(segment.nonce)] = segment.nonce.encode()
+        segment._stamp(nonce or secrets.token_hex(NONCE_CHARS // 2))
         return segment
 
     @classmethod
@@ -107,9 +106,13 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        segment.nonce = secrets.token_hex(NONCE_CHARS // 2)
-        segment._map[: len(segment.nonce)] = segment.nonce.encode()
+        segment._stamp(secrets.token_hex(NONCE_CHARS // 2))
         return segment
+
+    def _stamp(self, nonce: str) -> None:
+        """Write ``nonce`` into the first bytes: a peer that reads it back opened this one."""
+        self.nonce = nonce
+        self._map[: len(nonce)] = nonce.encode()
 
     @property
     def fd(self) -> int:

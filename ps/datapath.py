@@ -188,7 +188,7 @@ class ShardDataPath:
         has no trainable chunks, or no room for them; its waves get copies). Not on a 16-bit
         wire: every wave computes on the rounded weights, as over TCP, and rounding is a copy
         anyway (into the wave's segment, one pass)."""
-        native = all(s.wire == s.desc for s in shard.specs if s.trainable)
+        native = _native(shard.specs)
         if self.slots is None and self.segments is not None and shard.params and native:
             try:
                 self.slots = WeightSlots(self.segments.prefix + "w-", shard.specs)
@@ -216,10 +216,15 @@ class ShardDataPath:
         return segments
 
 
+def _native(specs) -> bool:
+    """Every trainable chunk travels in the dtype the shard keeps it in (no 16-bit wire)."""
+    return all(s.wire == s.desc for s in specs if s.trainable)
+
+
 def _use_wave_memory(segments: WaveSegments, request: AttachRequest, specs) -> str:
     """Map the memory a wave offered for its weights (``worker/wave_memory.py``); why not, or
     "" once it is in use. A bad offer costs the wave only the copy: it is never an error."""
-    if not all(s.wire == s.desc for s in specs if s.trainable):
+    if not _native(specs):
         return "its weights travel in another dtype than the shard keeps them"
     try:
         memory = Segment.proc_open(

@@ -84,9 +84,8 @@ class PushesAndReads:
         try:
             wave = self.members.registered(h, peer)
         except ProtocolError:
-            return None
+            return
         self.push_parts.add(wave, h.clock, list(h.keys), list(tensors))
-        return None
 
     def _check_push_order(self, wave: WaveId, clock: int, h: Header) -> None:
         """Each clock is pushed once, in order, by a live wave, from a version this shard had."""

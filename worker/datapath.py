@@ -176,7 +176,7 @@ class WaveDataPath:
         reached through shared memory, written into its push segment (no frames)."""
         link = self.links[shard]
         if link is None:
-            return [self._push_tensor(c) for c in self.chunks[shard]]
+            return self.frames(self.chunks[shard])
         for c, view in zip(self.chunks[shard], link.push_views, strict=True):
             self._gradient_into(c, view)
         return []

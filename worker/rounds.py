@@ -168,7 +168,6 @@ class PushRound:
         shards = len(client.links)
         self.parted: list[set[int]] = [set() for _ in range(shards)]  # keys gone in parts
         self.ready: list[list] = [[] for _ in range(shards)]  # chunks made, not yet sent
-        self.ready_bytes = [0] * shards
 
     @property
     def early(self) -> int:
@@ -206,13 +205,11 @@ class PushRound:
             return
         if c.links[shard].restarted:
             return
-        made = [ch for ch in c.chunks_named(shard, name) if ch.key not in self.parted[shard]]
-        self.ready[shard] += made
-        self.ready_bytes[shard] += sum(ch.wire_nbytes for ch in made)
-        if self.ready_bytes[shard] < c.push_part_bytes:
+        self.ready[shard] += c.chunks_named(shard, name)  # each parameter's hook runs once
+        if sum(ch.wire_nbytes for ch in self.ready[shard]) < c.push_part_bytes:
             return
-        chunks, self.ready[shard], self.ready_bytes[shard] = self.ready[shard], [], 0
-        h, tensors = push_part_message(c, shard, self.clock, self.read_versions[shard], chunks)
+        chunks, self.ready[shard] = self.ready[shard], []
+        h, tensors = push_part_message(c, self.clock, self.read_versions[shard], chunks)
         c.data.flush()
         h.request_id = self.exchange.request_id
         if c._try_send(shard, h, tensors):
@@ -262,7 +259,7 @@ class PushRound:
 
 
 def push_part_message(
-    client, shard: int, clock: int, read_version: int, chunks: list[Chunk]
+    client, clock: int, read_version: int, chunks: list[Chunk]
 ) -> tuple[Header, list[torch.Tensor]]:
     """One part of a push over TCP (``PushRequest.more``): ``chunks``' gradients."""
     keys = [chunk.key for chunk in chunks]

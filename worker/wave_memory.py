@@ -16,15 +16,12 @@ map it (another host, another pid namespace), pulls go as before.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from wavelet.common.sharding import Chunk
 from wavelet.common.shm import Segment, layout
-
-log = logging.getLogger(__name__)
 
 
 class WaveMemory:
