@@ -174,10 +174,12 @@ def format_summary(s: dict) -> str:
     if s.get("update_rule"):
         lines.append(f"update rule: {s['update_rule']}")
     members = s.get("membership") or {}
-    if members.get("leaves") or s.get("workers_lost"):
+    # every wave joins once and leaves once when it is done: only more than that is news
+    if members.get("joins", 0) > len(s["waves"]) or s.get("workers_lost"):
         lines.append(
-            f"membership: {members.get('joins', 0)} join(s), {members.get('leaves', 0)} "
-            f"leave(s) of waves (epoch {members.get('epoch', 0)})"
+            f"membership: {members.get('joins', 0)} join(s) and {members.get('leaves', 0)} "
+            f"leave(s) of the job's {len(s['waves'])} waves (membership epoch "
+            f"{members.get('epoch', 0)})"
             + (
                 f"; {s['workers_lost']} worker(s) lost with their node"
                 if s.get("workers_lost")

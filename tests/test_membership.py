@@ -129,3 +129,30 @@ def test_a_stopped_shard_does_not_count_its_own_stall_as_silence(shard_daemons):
         shard.send_signal(signal.SIGCONT)
         c.close()
     assert "did not run for" in (daemons.tmp / "ps-0.log").read_text()
+
+
+def test_the_summary_names_membership_changes_only_beyond_each_wave_joining_and_leaving_once():
+    from wavelet.scripts.report import format_summary
+
+    row = {"clock": 5, "pushes": 10, "hist": {"0": 10}, "parked": 0, "parked_s": 0.0}
+    row |= {"last_read": {"0": 10}, "rejected": 0, "dropped": 0, "skipped": 0}
+    row |= {"transport": "shm", "staleness_mean": 0.0, "staleness_max": 0, "staleness_p99": 0}
+    summary = {
+        "run_dir": "runs/x",
+        "test_accuracy": 0.9,
+        "samples": 100,
+        "train_seconds": 1.0,
+        "samples_per_s": 100.0,
+        "precision": "fp32",
+        "wire_dtype": "fp32",
+        "wire_bytes": 0,
+        "waves": {name: dict(row) for name in ("w0/0", "w0/1")},
+    }
+    # every wave joined at the start and left when done: nothing to say
+    quiet = {**summary, "membership": {"epoch": 4, "joins": 2, "leaves": 2}}
+    assert "membership" not in format_summary(quiet)
+    # a wave re-joined after it was dropped: said, with the job's count of waves
+    rejoined = {**summary, "membership": {"epoch": 6, "joins": 3, "leaves": 3}}
+    assert "membership: 3 join(s) and 3 leave(s) of the job's 2 waves" in format_summary(rejoined)
+    lost = {**quiet, "workers_lost": 1}
+    assert "1 worker(s) lost with their node" in format_summary(lost)
