@@ -100,7 +100,12 @@ def _add_training_commands(sub) -> None:
         help="restart a stopped job from its run dir: shards restore their checkpoints, "
         "waves go on from their clocks (other flags are ignored)",
     )
-    launch.add_argument("--quiet", action="store_true", help="no progress lines")
+    launch.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print nothing but errors: no run-dir line, progress or summary (they are in the "
+        "run dir: summary.json, logs/)",
+    )
     launch.set_defaults(run=cmd_launch)
 
     ps = sub.add_parser("ps", help="run one parameter-server shard daemon")
