@@ -74,6 +74,12 @@ MODES = {
         2,
         ("--shards-per-node", "1"),
     ),
+    "ticktock-fp32": Mode(
+        "the default with gradients and weights in fp32 on the wire (--wire-dtype fp32; the "
+        "default between nodes is bf16)",
+        2,
+        ("--shards-per-node", "1", "--wire-dtype", "fp32"),
+    ),
     "ticktock-async": Mode(
         "PS: 1 shard + 1 worker of 2 waves per node, asynchronous updates",
         2,
@@ -145,6 +151,11 @@ MODES = {
         ("--shards-per-node", "1", "--waves", "1", "--pull-during-forward", "true"),
     ),
     "allreduce": Mode("DDP: 1 rank per node at one wave's batch", 1, ("--mode", "allreduce")),
+    "allreduce-bf16": Mode(
+        "DDP with its gradient buckets in bf16 on the wire, the 16-bit wire's own baseline",
+        1,
+        ("--mode", "allreduce", "--wire-dtype", "bf16"),
+    ),
     "allreduce-2x": Mode(
         "DDP: 1 rank per node at the batch of both waves (2x activations)",
         1,

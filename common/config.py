@@ -40,8 +40,9 @@ BALANCE_BATCHES = ("auto", "on", "off")
 LATE_PUSHES = ("fold", "drop")
 UPDATE_LRS = ("full", "by-samples")  # the step size of one update (docs/tuning.md)
 PRECISIONS = ("fp32", "bf16", "fp16")  # of the forward (torch.autocast); parameters stay fp32
-# dtype of gradients and weights between waves and shards; shards keep fp32 master weights
-WIRE_DTYPES = ("fp32", "bf16", "fp16")
+# dtype of gradients and weights between waves and shards; shards keep fp32 master weights;
+# auto: bf16 where a parameter-server job spans several nodes, fp32 otherwise (concrete_wire)
+WIRE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 PLACEMENTS = ("size", "layers")  # of chunks on shards (common/sharding.py)
 # all-reduce: DDP's find_unused_parameters; auto has DDP look in the first step and go on
 # looking only where that step left a trainable parameter without a gradient (worker/allreduce.py)
@@ -107,9 +108,11 @@ class JobConfig:
         choices=PRECISIONS,
     )
     wire_dtype: str = setting(
-        "fp32",
+        "auto",
         help="dtype of gradients and weights between waves and shards (fp32, bf16, fp16); the "
-        "shards keep fp32 master weights and optimizer state; all-reduce compresses the same way",
+        "shards keep fp32 master weights and optimizer state; all-reduce compresses the same "
+        "way. auto: bf16 where a parameter-server job spans several nodes (wavelet run), whose "
+        "pushes and pulls cross the network between steps; fp32 on one host and for all-reduce",
         choices=WIRE_DTYPES,
     )
     wire_error_feedback: bool = setting(
@@ -378,6 +381,12 @@ class JobConfig:
     def chunk_bytes(self) -> int:
         return max(1, int(self.chunk_mib * MiB))
 
+    @property
+    def wire(self) -> str:
+        """The dtype gradients and weights travel in: ``wire_dtype``, with ``auto`` as a process
+        that no launcher decided it for takes it (fp32: a daemon started by hand)."""
+        return "fp32" if self.wire_dtype == "auto" else self.wire_dtype
+
 
 def launch_updates(
     job: JobConfig,
@@ -386,10 +395,23 @@ def launch_updates(
     schedule: str = "ticktock",
     processes_per_device: int = 1,
 ) -> JobConfig:
-    """``concrete_updates`` for a launch of ``job`` on ``devices`` with these settings."""
+    """``concrete_updates`` and ``concrete_wire`` for a launch of ``job`` on ``devices`` of one
+    host with these settings."""
     cpu_workers = all(torch.device(d).type == "cpu" for d in devices)
     ticktock = mode == "ps" and schedule == "ticktock" and processes_per_device == 1
-    return concrete_updates(job, cpu_workers, ticktock)
+    return concrete_wire(concrete_updates(job, cpu_workers, ticktock), nodes=1, mode=mode)
+
+
+def concrete_wire(job: JobConfig, nodes: int, mode: str = "ps") -> JobConfig:
+    """``job`` with ``wire_dtype = "auto"`` decided for a job over ``nodes`` hosts: bf16 where a
+    parameter-server job spans two or more, fp32 otherwise. A wave's push and the weights it
+    pulls cross the link between its steps, where no compute hides them (wave turns wait for
+    them), and half the bytes is half that wait (measured on two emulated nodes:
+    docs/performance.md, "A 16-bit wire between nodes"). On one host the tensors go through
+    shared memory, where a cast only costs; all-reduce overlaps its buckets with backward."""
+    if job.wire_dtype != "auto":
+        return job
+    return dataclasses.replace(job, wire_dtype="bf16" if mode == "ps" and nodes > 1 else "fp32")
 
 
 def concrete_updates(job: JobConfig, cpu_workers: bool, ticktock: bool = True) -> JobConfig:

@@ -394,7 +394,8 @@ class LaunchConfig:
                 raise ConfigError(f"--slow-device: {why_not()}")
 
     def concrete_job(self) -> JobConfig:
-        """The job with ``updates = "auto"`` decided for these devices (``concrete_updates``)."""
+        """The job with ``updates`` and ``wire_dtype = "auto"`` decided for these devices of one
+        host (``launch_updates``)."""
         return launch_updates(
             self.job, self.devices, self.mode, self.schedule, self.processes_per_device
         )

@@ -86,7 +86,7 @@ class ShardingPlan:
     def for_job(cls, model: torch.nn.Module, job: JobConfig) -> ShardingPlan:
         """The plan of ``job`` (its shards, chunk size, wire dtype and placement) for ``model``:
         what every wave and every reader of a job's shards must compute alike."""
-        return cls.for_model(model, job.shards, job.chunk_bytes, job.wire_dtype, job.placement)
+        return cls.for_model(model, job.shards, job.chunk_bytes, job.wire, job.placement)
 
     @classmethod
     def build(

@@ -194,7 +194,8 @@ def describe(config: LaunchConfig, job: JobConfig) -> str:
             f"{job.shards} shard(s), {processes} worker(s) x {job.waves} wave(s) "
             f"({config.schedule}), {rule}"
         )
-    return f"{how}, model {job.model} on {job.dataset}"
+    wire = f", wire {job.wire}" if job.wire != "fp32" else ""
+    return f"{how}{wire}, model {job.model} on {job.dataset}"
 
 
 def _metrics_port(config: LaunchConfig, index: int) -> int:

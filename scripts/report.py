@@ -81,7 +81,7 @@ def summarize(
         "samples_per_s": progress.samples / max(progress.elapsed(), 1e-9),
         "lost_updates": progress.lost_updates,
         "precision": job_cfg.precision,
-        "wire_dtype": job_cfg.wire_dtype,
+        "wire_dtype": job_cfg.wire,
         "wire_bytes": progress.wire_bytes,
         "skipped_steps": dict(progress.skipped),
         "wire_overflows": sum(progress.wire_overflows.values()),

@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-from wavelet.common.config import JobConfig, concrete_updates
+from wavelet.common.config import JobConfig, concrete_updates, concrete_wire
 from wavelet.common.daemon_config import PSConfig, RunConfig, WorkerConfig
 from wavelet.common.machine import interface_of, usable_cores
 from wavelet.common.settings import ConfigError
@@ -198,7 +198,7 @@ def run(config: RunConfig) -> int:
     layout = layout_for(role, config.shards_per_node)
     config = replace(config, job=replace(config.job, shards=layout.shards))
     store = open_store(role)
-    config = replace(config, job=_agreed_updates(config.job, role, store))
+    config = replace(config, job=_agreed_rules(config.job, role, store))
     index = layout.shard_index(role)
     if index is not None:
         return _shard(config, role, layout, index, store)
@@ -281,18 +281,23 @@ def _admin_public_key(keys) -> str:
     return str(keys.client_public(CURVE_ADMIN))
 
 
-def _agreed_updates(job: JobConfig, role: Role, store) -> JobConfig:
-    """``job`` with ``updates = "auto"`` decided once, by global rank 0 from its node's devices,
-    and shared through the store: every shard and worker of the job must run the same rule."""
-    if job.updates != "auto":
+def _agreed_rules(job: JobConfig, role: Role, store) -> JobConfig:
+    """``job`` with ``updates`` and ``wire_dtype = "auto"`` decided once, by global rank 0 from
+    its node's devices and the number of nodes, and shared through the store: every shard and
+    worker of the job must run the same rule and send the same dtype."""
+    if job.updates != "auto" and job.wire_dtype != "auto":
         return job
     import torch
 
-    key = _key(role, "updates")
+    key = _key(role, "rules")
     if role.rank == 0:
-        store.set(key, concrete_updates(job, not torch.cuda.is_available()).updates)
+        decided = concrete_wire(
+            concrete_updates(job, not torch.cuda.is_available()), role.nodes, mode="ps"
+        )
+        store.set(key, f"{decided.updates} {decided.wire_dtype}")
     store.wait([key])
-    return replace(job, updates=store.get(key).decode())
+    updates, wire = store.get(key).decode().split()
+    return replace(job, updates=updates, wire_dtype=wire)
 
 
 def _admin_token(role: Role, store) -> str:

@@ -1,6 +1,7 @@
 """PS and all-reduce jobs under torchrun: one command for every process, roles from torchrun's
 environment, shard addresses through torch.distributed's store; and the recipes that run it."""
 
+import dataclasses
 import json
 import os
 import shlex
@@ -19,7 +20,7 @@ from helpers import record_samples
 from wavelet.common import shm
 from wavelet.common.config import JobConfig
 from wavelet.scripts.cli import build_parser
-from wavelet.scripts.run import Layout, Role, _agreed_updates, layout_for
+from wavelet.scripts.run import Layout, Role, _agreed_rules, layout_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -71,9 +72,9 @@ def test_roles_follow_from_the_world():
 
 
 @pytest.mark.timeout(60)
-def test_global_rank_0_decides_auto_updates_for_every_node(monkeypatch):
+def test_global_rank_0_decides_auto_updates_and_wire_for_every_node(monkeypatch):
     """A node whose own devices would decide otherwise still runs rank 0's rule: every shard of
-    one job must apply the same one."""
+    one job must apply the same one. A job over two nodes sends bf16, one over one node fp32."""
     import torch
     from torch.distributed import TCPStore
 
@@ -83,11 +84,19 @@ def test_global_rank_0_decides_auto_updates_for_every_node(monkeypatch):
     gpu_node = Role.from_env({**env, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"})
     cpu_node = Role.from_env({**env, "RANK": "1", "LOCAL_RANK": "0", "GROUP_RANK": "1"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert _agreed_updates(JobConfig(), gpu_node, store).updates == "async"
+    decided = _agreed_rules(JobConfig(), gpu_node, store)
+    assert (decided.updates, decided.wire_dtype, decided.wire) == ("async", "bf16", "bf16")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # alone, it would run turns
-    assert _agreed_updates(JobConfig(), cpu_node, store).updates == "async"
-    chosen = JobConfig(updates="wave-groups")  # a rule of the user's is not decided again
-    assert _agreed_updates(chosen, cpu_node, store) is chosen
+    decided = _agreed_rules(JobConfig(), cpu_node, store)
+    assert (decided.updates, decided.wire_dtype) == ("async", "bf16")
+    chosen = JobConfig(updates="wave-groups", wire_dtype="fp32")  # the user's are kept
+    assert _agreed_rules(chosen, cpu_node, store) is chosen
+
+    # one node: the tensors go through shared memory, in fp32
+    one = {**env, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": str(store.port)}
+    alone = Role.from_env({**one, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"})
+    alone = dataclasses.replace(alone, restart=1)  # a fresh set of keys in the same store
+    assert _agreed_rules(JobConfig(), alone, store).wire_dtype == "fp32"
 
 
 @pytest.mark.timeout(180)

@@ -8,6 +8,8 @@ import pytest
 import torch
 from helpers import ServiceWave, free_port, service_for, tiny_model
 
+from wavelet.common.config import JobConfig, concrete_wire
+from wavelet.common.daemon_config import LaunchConfig
 from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import ErrorCode, Op, decode, encode
 from wavelet.common.sharding import ShardingPlan, model_tensors
@@ -58,6 +60,20 @@ def test_the_shard_keeps_fp32_master_weights_and_applies_16_bit_gradients_in_fp3
     assert all(t.dtype == torch.bfloat16 for t in served)
     for s, m in zip(served, after, strict=True):
         assert torch.equal(s, m.to(torch.bfloat16))
+
+
+def test_auto_wire_is_bf16_only_for_a_parameter_server_across_nodes():
+    """Where gradients and weights cross a network link between steps, 16 bits halve the wait;
+    on one host (shared memory) and for all-reduce (hidden in backward) fp32 stays."""
+    job = JobConfig()
+    assert job.wire_dtype == "auto" and job.wire == "fp32"  # a daemon by hand: fp32
+    assert concrete_wire(job, nodes=2).wire_dtype == "bf16"
+    assert concrete_wire(job, nodes=1).wire_dtype == "fp32"
+    assert concrete_wire(job, nodes=4, mode="allreduce").wire_dtype == "fp32"
+    assert concrete_wire(JobConfig(wire_dtype="fp32"), nodes=2).wire_dtype == "fp32"
+    assert LaunchConfig(job=job, devices=["cpu"]).concrete_job().wire_dtype == "fp32"
+    plan = ShardingPlan.for_job(tiny_model(), job)  # undecided: fp32, never "auto"
+    assert plan == ShardingPlan.for_job(tiny_model(), JobConfig(wire_dtype="fp32"))
 
 
 def test_a_push_in_another_dtype_is_refused_and_changes_nothing(tmp_path):

@@ -245,7 +245,7 @@ class _Rank:
         self.dataset, self.model = build_dataset_and_model(job, device)
         if job.activation_checkpointing:
             checkpoint_blocks(self.model)
-        self.wire_dtype = job.wire_dtype
+        self.wire_dtype = job.wire
         # auto: DDP looks for unused parameters in the first step, and keeps looking only where
         # that step left a trainable parameter without a gradient on some rank (DDP alone
         # would fail at the second step); no extra call of the job's step to find out
@@ -279,7 +279,7 @@ class _Rank:
         self.part = self.dataset.part(self.rank, world, job.seed)
         self.steps = self.part.steps_per_epoch(job.batch_size)
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if job.wire_dtype != "fp32":
+        if job.wire != "fp32":
             grad_bytes //= 2  # float32 gradients travel in 16 bits
         # A ring all-reduce sends 2 (n - 1) / n of the gradient bytes from every rank.
         self.wire_bytes = int(2 * (world - 1) / world * grad_bytes)
@@ -295,7 +295,7 @@ class _Rank:
                 "rank": self.rank,
                 "world_size": world,
                 "precision": job.precision,
-                "wire_dtype": job.wire_dtype,
+                "wire_dtype": job.wire,
             }
         )
 

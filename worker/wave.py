@@ -228,7 +228,7 @@ class Wave:
                 "device_index": self.config.device_index,
                 "tcp_reasons": client.tcp_reasons,  # shards reached over TCP on this host, why
                 "precision": job.precision,
-                "wire_dtype": job.wire_dtype,
+                "wire_dtype": job.wire,
             }
         )
         started = time.monotonic()
