@@ -5,11 +5,15 @@ weigh each push by its samples, ``ps/synchronous.py``), so its meaning does not 
 the samples are split among the waves does.
 
 Each push says how many samples it carried and how long the wave computed them (forward and
-backward, no waiting); a wave's speed is its samples over its compute seconds in its last
-``WINDOW`` pushes, a sum rather than an average of each push's rate (a node under a cgroup cap
-computes one step at full speed and the next at a fraction, as its quota runs out: a throttled
-node's rates swung 2.5x from one push to the next), and its first ``WARMUP`` pushes are not
-counted (the first step allocates: it measured a third of the later ones' speed). Each push also
+backward, no waiting); a wave's speed is its samples over its compute seconds in its latest
+pushes, a sum rather than an average of each push's rate (a node under a cgroup cap computes one
+step at full speed and the next at a fraction, as its quota runs out: a throttled node's rates
+swung 2.5x from one push to the next), and its first ``WARMUP`` pushes are not counted (the
+first step allocates: it measured a third of the later ones' speed). The latest pushes are as
+few as hold ``WINDOW_S`` seconds of compute (at least ``MIN_WINDOW``, at most ``WINDOW``): enough
+of a cap's periods to smooth its swing, and no more, for a co-tenant that comes and goes must
+move the batches within a few steps (a window of 8 pushes took 6 s to follow a cap that came on,
+and 3 s to follow it going, of every 10 s on and 10 s off). Each push also
 says what the wave's last step cost besides computing and waiting for its turn (the weights and
 gradients on the wire to every shard, the loop's own work): the wave's overhead, a cost per step
 whatever its batch (the median of its last ``OVERHEADS``, so that one stall does not swing the
@@ -35,7 +39,9 @@ from collections.abc import Callable, Hashable
 
 from wavelet.ps.staleness import WaveId
 
-WINDOW = 8  # a wave's speed: its samples over its compute seconds in this many last pushes
+WINDOW = 8  # a wave's speed: its samples over its compute seconds in at most this many pushes
+MIN_WINDOW = 2  # and at least this many
+WINDOW_S = 0.75  # the fewest latest pushes that hold this many seconds of compute
 WARMUP = 1  # pushes of each wave not counted: the first step allocates and warms caches
 ON_SPREAD = 1.3  # auto: balance once the fastest wave is this much faster than the slowest
 OFF_SPREAD = 1.15  # auto: and go back to equal batches below this
@@ -49,7 +55,7 @@ class BatchBalancer:
         self.mode = mode  # on, off, auto
         self.batch_size = batch_size
         self.group_of = group_of
-        self.speed: dict[WaveId, float] = {}  # samples per second of compute, last WINDOW
+        self.speed: dict[WaveId, float] = {}  # samples per second of compute, latest pushes
         self.seen: dict[WaveId, int] = {}  # pushes counted (after the WARMUP ones)
         self.pushes: dict[WaveId, int] = {}  # pushes measured, the WARMUP ones too
         self.window: dict[WaveId, deque[tuple[int, float]]] = {}  # (samples, compute seconds)
@@ -67,7 +73,7 @@ class BatchBalancer:
             return
         window = self.window.setdefault(wave, deque(maxlen=WINDOW))
         window.append((samples, compute_s))
-        self.speed[wave] = sum(n for n, _ in window) / sum(s for _, s in window)
+        self.speed[wave] = _latest_speed(window)
         self.seen[wave] = self.seen.get(wave, 0) + 1
         if overhead_s > 0:
             self.overheads.setdefault(wave, deque(maxlen=OVERHEADS)).append(overhead_s)
@@ -131,3 +137,14 @@ class BatchBalancer:
             return ""  # equal batches: the waves' speeds are within ON_SPREAD
         last = self.changes[-1]
         return f"balanced batches (waves {last['spread']:.1f}x apart)"
+
+
+def _latest_speed(window: deque[tuple[int, float]]) -> float:
+    """Samples per compute second over the fewest latest pushes of ``window`` that hold
+    ``WINDOW_S`` seconds of compute (at least ``MIN_WINDOW`` of them where there are)."""
+    samples, seconds = 0, 0.0
+    for taken, (n, compute_s) in enumerate(reversed(window), start=1):
+        samples, seconds = samples + n, seconds + compute_s
+        if seconds >= WINDOW_S and taken >= MIN_WINDOW:
+            break
+    return samples / seconds

@@ -5,7 +5,7 @@ waves' pushes would report."""
 
 import pytest
 
-from wavelet.ps.balance import MIN_SAMPLES, WARMUP, BatchBalancer
+from wavelet.ps.balance import MIN_SAMPLES, MIN_WINDOW, WARMUP, WINDOW, BatchBalancer
 
 FAST, SLOW = ("w0", 0), ("w1", 0)
 LIVE = {FAST, SLOW}
@@ -103,3 +103,21 @@ def test_balancing_off_answers_nothing_and_leaves_the_batches_alone():
     _feed(b, FAST, 32, 0.1, 0.0)
     _feed(b, SLOW, 32, 0.4, 0.0)
     assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 0  # 0: unchanged
+
+
+@pytest.mark.timeout(10)
+def test_a_co_tenant_that_comes_and_goes_moves_the_batches_within_a_few_pushes():
+    """The speed holds as few latest pushes as make WINDOW_S of compute: a cap that comes on
+    shows in two slow pushes, and one that goes within WINDOW fast ones, not after a long
+    window has turned over (a co-tenant 10 s on and 10 s off left the batches wrong for 6 s)."""
+    b = _balancer("auto")
+    _feed(b, FAST, 32, 0.1, 0.01, steps=10)
+    _feed(b, SLOW, 32, 0.1, 0.01, steps=10)
+    assert b.batch_for(SLOW, LIVE) == 32
+    _feed(b, SLOW, 32, 0.4, 0.01, steps=MIN_WINDOW)  # a co-tenant arrives: 4x slower
+    assert b.speed[SLOW] == pytest.approx(80)  # its new speed alone, no fast push mixed in
+    fast, slow = b.batch_for(FAST, LIVE), b.batch_for(SLOW, LIVE)
+    assert (fast, slow) == (51, 13)  # both push 0.17 s after they start: 4:1, less overheads
+    _feed(b, SLOW, slow, slow / 320, 0.01, steps=WINDOW)  # it leaves; small batches, fast
+    assert b.speed[SLOW] == pytest.approx(320)
+    assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 32
