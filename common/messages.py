@@ -108,6 +108,9 @@ class PushRequest(Body):
     absent: list[int] = field(default_factory=list)
     samples: int = 0  # samples of this step's batch (a synchronous sum weighs by them)
     compute_s: float = 0.0  # the wave's last forward and backward, in seconds (its speed)
+    # samples of the batch compute_s measured: the step before this one, whose size differs
+    # where batches are balanced (0: this push's samples)
+    compute_samples: int = 0
     # the wave's last step besides computing and waiting (the wire, the loop): 0 not measured
     overhead_s: float = 0.0
     # over TCP, a push may come in parts (ps/push_parts.py): more parts of this push follow;
@@ -115,8 +118,10 @@ class PushRequest(Body):
     more: bool = False
 
     def __post_init__(self) -> None:
-        if self.samples < 0 or not self.compute_s >= 0 or not self.overhead_s >= 0:
-            raise ValueError("samples, compute_s and overhead_s must be >= 0")
+        if self.samples < 0 or self.compute_samples < 0:
+            raise ValueError("samples and compute_samples must be >= 0")
+        if not self.compute_s >= 0 or not self.overhead_s >= 0:
+            raise ValueError("compute_s and overhead_s must be >= 0")
         if math.isinf(self.compute_s) or math.isinf(self.overhead_s):
             raise ValueError("compute_s and overhead_s must be finite")
         if self.skip and self.shm:

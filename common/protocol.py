@@ -20,8 +20,9 @@ import zmq
 # 2: weights answered in parts (part_bytes); 3: stats name the update rule; 4: pushes name the
 # chunks they carry no gradient for (PushRequest.absent), init the parameters' dimensions;
 # 5: standbys (seed, replicate; moved and not_primary errors; RegisterReply.standby);
-# 6: attach offers the wave's memory (AttachRequest.memory_*), pushes in parts (more)
-PROTOCOL_VERSION = 6
+# 6: attach offers the wave's memory (AttachRequest.memory_*), pushes in parts (more);
+# 7: a push says which batch its compute_s measured (PushRequest.compute_samples)
+PROTOCOL_VERSION = 7
 
 # A header is small; anything bigger is a malformed or hostile message.
 MAX_HEADER_BYTES = 1 << 20

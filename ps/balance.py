@@ -13,7 +13,13 @@ first step allocates: it measured a third of the later ones' speed). The latest 
 few as hold ``WINDOW_S`` seconds of compute (at least ``MIN_WINDOW``, at most ``WINDOW``): enough
 of a cap's periods to smooth its swing, and no more, for a co-tenant that comes and goes must
 move the batches within a few steps (a window of 8 pushes took 6 s to follow a cap that came on,
-and 3 s to follow it going, of every 10 s on and 10 s off). Each push also
+and 3 s to follow it going, of every 10 s on and 10 s off). And where the latest ``MIN_WINDOW``
+pushes ran ``CHANGE`` times faster or slower than those before them, a cap came or went: the
+pushes before are forgotten. Without that, a wave freed of a cap kept its capped pushes in its
+window while its fast ones, short on small batches, added up to ``WINDOW_S`` (its batch took 5 s
+to grow back); a steady cap's swing from push to push does not reach ``CHANGE`` over two pushes.
+The batches follow from a wave's second push on (``MIN_SAMPLES``): under a cap from the start,
+every step before them ran at the slow node's pace. Each push also
 says what the wave's last step cost besides computing and waiting for its turn (the weights and
 gradients on the wire to every shard, the loop's own work): the wave's overhead, a cost per step
 whatever its batch (the median of its last ``OVERHEADS``, so that one stall does not swing the
@@ -35,7 +41,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 from wavelet.ps.staleness import WaveId
 
@@ -46,7 +52,8 @@ WARMUP = 1  # pushes of each wave not counted: the first step allocates and warm
 ON_SPREAD = 1.3  # auto: balance once the fastest wave is this much faster than the slowest
 OFF_SPREAD = 1.15  # auto: and go back to equal batches below this
 MAX_FACTOR = 4  # no wave's batch beyond this many times the job's
-MIN_SAMPLES = 3  # measurements of every wave before its speed counts
+MIN_SAMPLES = 1  # measurements of every wave before its speed counts (after the WARMUP ones)
+CHANGE = 2.0  # the latest MIN_WINDOW pushes this much faster or slower: a new pace
 OVERHEADS = 8  # each wave's overhead: the median of its last this many steps
 
 
@@ -59,6 +66,8 @@ class BatchBalancer:
         self.seen: dict[WaveId, int] = {}  # pushes counted (after the WARMUP ones)
         self.pushes: dict[WaveId, int] = {}  # pushes measured, the WARMUP ones too
         self.window: dict[WaveId, deque[tuple[int, float]]] = {}  # (samples, compute seconds)
+        # its last WINDOW pushes whatever their pace, for slower decisions (moving a shard)
+        self.history: dict[WaveId, deque[tuple[int, float]]] = {}
         self.overheads: dict[WaveId, deque[float]] = {}  # seconds per step besides compute
         self.active: dict[Hashable, bool] = {}
         self.changes: list[dict] = []  # when auto turned balancing on or off, and why
@@ -73,10 +82,19 @@ class BatchBalancer:
             return
         window = self.window.setdefault(wave, deque(maxlen=WINDOW))
         window.append((samples, compute_s))
+        self.history.setdefault(wave, deque(maxlen=WINDOW)).append((samples, compute_s))
+        _forget_an_old_pace(window)
         self.speed[wave] = _latest_speed(window)
         self.seen[wave] = self.seen.get(wave, 0) + 1
         if overhead_s > 0:
             self.overheads.setdefault(wave, deque(maxlen=OVERHEADS)).append(overhead_s)
+
+    def steady_speed(self, wave: WaveId) -> float:
+        """``wave``'s samples per compute second over its last ``WINDOW`` pushes, a new pace or
+        not: what a one-way decision such as moving a shard should go by, for a co-tenant that
+        just left may come back (a shard moved onto a node freed a moment ago stalled every
+        wave when the cap came back)."""
+        return _speed(self.history[wave])
 
     def overhead(self, wave: WaveId) -> float:
         """``wave``'s seconds per step besides its compute (0 until measured)."""
@@ -88,6 +106,7 @@ class BatchBalancer:
         self.seen.pop(wave, None)
         self.pushes.pop(wave, None)
         self.window.pop(wave, None)
+        self.history.pop(wave, None)
         self.overheads.pop(wave, None)
 
     def batch_for(self, wave: WaveId, live: set[WaveId]) -> int:
@@ -137,6 +156,22 @@ class BatchBalancer:
             return ""  # equal batches: the waves' speeds are within ON_SPREAD
         last = self.changes[-1]
         return f"balanced batches (waves {last['spread']:.1f}x apart)"
+
+
+def _forget_an_old_pace(window: deque[tuple[int, float]]) -> None:
+    """Keep only the latest ``MIN_WINDOW`` pushes where their speed is ``CHANGE`` times that of
+    all the pushes before them in ``window``, either way (a cap came on or went)."""
+    if len(window) < MIN_WINDOW + 2:
+        return
+    pushes = list(window)
+    latest, before = _speed(pushes[-MIN_WINDOW:]), _speed(pushes[:-MIN_WINDOW])
+    if max(latest / before, before / latest) > CHANGE:
+        for _ in range(len(window) - MIN_WINDOW):
+            window.popleft()
+
+
+def _speed(pushes: Sequence[tuple[int, float]]) -> float:
+    return sum(n for n, _ in pushes) / sum(s for _, s in pushes)
 
 
 def _latest_speed(window: deque[tuple[int, float]]) -> float:

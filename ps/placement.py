@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from wavelet.ps.balance import MIN_SAMPLES
-
 log = logging.getLogger(__name__)
 
 SLOW_FACTOR = 1.3  # a node this much slower than the fastest gives its shards away
+# pushes measured of a wave before its speed counts here: a move costs a hand-over, so it waits
+# for firmer evidence than the batches, which are told again every step
+MEASURED_PUSHES = 3
 
 
 class SpeedPlacement:
@@ -37,9 +38,11 @@ class SpeedPlacement:
         """Each node's workers' mean samples per second of compute, from their pushes."""
         balancer = self.service.updates.balancer
         per_node: dict[int, list[float]] = {}
-        for wave, speed in balancer.speed.items():
+        for wave in balancer.speed:
             worker = wave[0]
-            if worker[:1] == "w" and worker[1:].isdigit() and balancer.seen[wave] >= MIN_SAMPLES:
+            measured = balancer.seen[wave] >= MEASURED_PUSHES
+            if worker[:1] == "w" and worker[1:].isdigit() and measured:
+                speed = balancer.steady_speed(wave)
                 per_node.setdefault(self.node_of_worker(int(worker[1:])), []).append(speed)
         return {node: sum(s) / len(s) for node, s in per_node.items()}
 

@@ -59,6 +59,7 @@ class PushesAndReads:
                 body.samples,
                 body.compute_s,
                 body.overhead_s,
+                body.compute_samples,
             )
             self.stats[wave].record_push(tau)
         self.clocks.advance(wave)

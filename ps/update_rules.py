@@ -139,15 +139,16 @@ class Updates:
         samples: int = 0,
         compute_s: float = 0.0,
         overhead_s: float = 0.0,
+        compute_samples: int = 0,
     ) -> tuple[str, float]:
         """Apply a validated push now (asynchronous: as the policy decides) or add it to its
         group's open sum; returns what was done and the learning-rate factor used. ``absent``:
-        chunks the push has no gradient for, left out of the update; ``samples``,
-        ``compute_s`` and ``overhead_s``: its batch, how long the wave computed it and what
-        else its step cost (balanced batches)."""
+        chunks the push has no gradient for, left out of the update; ``samples``: its batch;
+        ``compute_s`` and ``overhead_s``: how long the wave computed its last batch (of
+        ``compute_samples``, 0: ``samples``) and what else its step cost (balanced batches)."""
         grads = self.shard.gradients(tensors, absent)
         self.shard.store_buffers(wave, tensors)
-        self.balancer.record(wave, samples, compute_s, overhead_s)
+        self.balancer.record(wave, compute_samples or samples, compute_s, overhead_s)
         if self.synchronous:
             # The gradients of one clock of a group read the same version: average them (over
             # their samples, where batches differ).

@@ -118,6 +118,25 @@ def test_a_co_tenant_that_comes_and_goes_moves_the_batches_within_a_few_pushes()
     assert b.speed[SLOW] == pytest.approx(80)  # its new speed alone, no fast push mixed in
     fast, slow = b.batch_for(FAST, LIVE), b.batch_for(SLOW, LIVE)
     assert (fast, slow) == (51, 13)  # both push 0.17 s after they start: 4:1, less overheads
-    _feed(b, SLOW, slow, slow / 320, 0.01, steps=WINDOW)  # it leaves; small batches, fast
+    # it leaves: small batches, fast, whose compute would take WINDOW pushes to outweigh the
+    # capped ones; two of them at 4x the pace before are a new pace, the capped ones forgotten
+    _feed(b, SLOW, slow, slow / 320, 0.01, steps=MIN_WINDOW)
     assert b.speed[SLOW] == pytest.approx(320)
     assert b.batch_for(FAST, LIVE) == b.batch_for(SLOW, LIVE) == 32
+
+
+@pytest.mark.timeout(10)
+def test_a_steady_caps_swing_is_not_taken_for_a_new_pace():
+    """Under a steady cap a wave runs one step within its quota and the next throttled: the
+    speed stays the sustained one, every push of the window counted."""
+    b = _balancer()
+    b.record(SLOW, 32, 1.0)  # the first, allocating step
+    for _ in range(WINDOW):
+        b.record(SLOW, 32, 0.1)  # within the quota: 320 samples/s
+        b.record(SLOW, 32, 0.25)  # the quota ran out: 128 samples/s
+    sustained = b.speed[SLOW]
+    assert len(b.window[SLOW]) == WINDOW and 128 < sustained < 200
+    b.record(SLOW, 32, 0.1)
+    b.record(SLOW, 32, 0.1)  # two lucky steps in a row: 1.75x the pace before, under CHANGE
+    assert len(b.window[SLOW]) == WINDOW  # nothing forgotten
+    assert b.speed[SLOW] < 1.3 * sustained  # far from the lucky steps' 320

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CHILD_ENV
-from helpers import ServiceWave, service_for, tiny_model
+from helpers import ServiceWave, reply_of, service_for, tiny_model
 
 from wavelet.common import throttle
 from wavelet.common.optimizer import OptimizerConfig
@@ -76,6 +76,30 @@ def test_a_balanced_step_equals_one_process_on_the_concatenated_batch(tmp_path):
     want = [chunk_view(params[c.name].detach(), c) for c in a.chunks]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
+def test_a_waves_speed_is_the_batch_its_compute_time_measured(tmp_path):
+    """A push says how long the wave's previous batch took (this one's push may leave during
+    backward): where balancing cut the batch from 32 to 8, the speed is 32 samples over that
+    time, not 8; and a negative count is refused, with nothing applied."""
+    from wavelet.ps.balance import WARMUP
+
+    service = service_for(tmp_path, job={"staleness": 0, "balance_batches": "on"})
+    try:
+        a = ServiceWave(service, "w0")
+        a.join()
+        grads = _gradients(a, _batch(1, 8))
+        measured = {"samples": 8, "compute_s": 0.1, "compute_samples": 32}
+        for clock in range(WARMUP + 1):
+            a.send(Op.PUSH, grads, clock=clock, read_version=clock, keys=a.keys, body=measured)
+        assert service.shard.version == WARMUP + 1
+        assert service.updates.balancer.speed[("w0", 0)] == pytest.approx(320)
+        bad = {**measured, "compute_samples": -1}
+        clock = WARMUP + 1
+        out = a.send(Op.PUSH, grads, clock=clock, read_version=clock, keys=a.keys, body=bad)
+        assert reply_of(out[0]).op == Op.ERROR and service.shard.version == clock
+    finally:
+        service.close()
 
 
 KOFN = {"updates": "k-of-n", "staleness": 1}  # the default bound: k of n has none of its own
@@ -225,9 +249,9 @@ def test_bad_caps_and_events_get_one_line_and_status_2(tmp_path, flags, says):
 def test_a_shard_on_a_node_measured_slow_moves_to_its_standbys_faster_node(tmp_path):
     """Node 1's workers compute at half node 0's speed (their pushes say so): shard 1, on
     node 1 with its standby on node 0, should move; shard 0 (node 0) should not; nor should
-    anything move before every node has been measured."""
-    from wavelet.ps.balance import MIN_SAMPLES, WARMUP
-    from wavelet.ps.placement import SpeedPlacement
+    anything move before every node has been measured over MEASURED_PUSHES pushes."""
+    from wavelet.ps.balance import WARMUP
+    from wavelet.ps.placement import MEASURED_PUSHES, SpeedPlacement
 
     service = service_for(tmp_path, job={"staleness": 0})
     try:
@@ -236,13 +260,40 @@ def test_a_shard_on_a_node_measured_slow_moves_to_its_standbys_faster_node(tmp_p
             for node in (0, 1)
         }
         balancer = service.updates.balancer
-        for _ in range(WARMUP + MIN_SAMPLES):
+        for _ in range(WARMUP + MEASURED_PUSHES):
             balancer.record(("w0", 0), 32, 0.1)  # 320 samples/s
         assert not placement[1].due()  # node 1 not measured yet
-        for _ in range(WARMUP + MIN_SAMPLES):
+        for _ in range(WARMUP + MEASURED_PUSHES - 1):
             balancer.record(("w1", 0), 32, 0.2)  # 160 samples/s
+        assert not placement[1].due()  # measured, but not often enough to move a shard
+        balancer.record(("w1", 0), 32, 0.2)
         assert placement[1].due() and "2.0x slower" in placement[1].why
         assert not placement[0].due()
+    finally:
+        service.close()
+
+
+def test_a_node_freed_a_moment_ago_takes_no_shard_until_it_stays_fast(tmp_path):
+    """Node 1's co-tenant has just left: two fast pushes make its batches follow at once (a new
+    pace), but moving node 0's shard there cannot be undone (a moved shard has no standby), so
+    it goes by the last WINDOW pushes: the cap may come back."""
+    from wavelet.ps.balance import MIN_WINDOW, WARMUP, WINDOW
+    from wavelet.ps.placement import SpeedPlacement
+
+    service = service_for(tmp_path, job={"staleness": 0})
+    try:
+        placement = SpeedPlacement(service, 0, 1, node_of_worker=lambda r: r)
+        balancer = service.updates.balancer
+        for _ in range(WARMUP + WINDOW):
+            balancer.record(("w0", 0), 32, 0.15)  # 213 samples/s
+            balancer.record(("w1", 0), 8, 0.2)  # capped: 40 samples/s, a small batch
+        for _ in range(MIN_WINDOW):
+            balancer.record(("w1", 0), 8, 0.02)  # freed: 400 samples/s
+        assert balancer.speed[("w1", 0)] == pytest.approx(400)  # the batches follow now
+        assert not placement.due()
+        for _ in range(WINDOW - MIN_WINDOW):
+            balancer.record(("w1", 0), 8, 0.02)  # it stays fast
+        assert placement.due() and "1.9x slower" in placement.why
     finally:
         service.close()
 

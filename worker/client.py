@@ -111,6 +111,7 @@ class PSClient(Recovery):
         # the first, balancing uses all three)
         self.step_samples = 0
         self.step_compute_s = 0.0
+        self.step_compute_samples = 0  # the batch step_compute_s measured
         self.step_overhead_s = 0.0
         self.transport = transport
         self.tcp_reasons: dict[str, str] = {}  # shard address -> why it is reached over TCP

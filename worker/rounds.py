@@ -289,6 +289,7 @@ def push_message(
         absent=[] if skip else data.without_gradient(shard),
         samples=client.step_samples,
         compute_s=client.step_compute_s,
+        compute_samples=client.step_compute_samples,
         overhead_s=client.step_overhead_s,
     )
     chunks = [] if skip else [c for c in client.chunks[shard] if c.key not in sent]
