@@ -48,19 +48,7 @@ class PushesAndReads:
             tensors = self.datapath.gradients(wave, body.shm, tensors)
             self.shard.check_push(h.keys, tensors)  # frames or a segment: validated alike
             self.shard.check_absent(body.absent)
-            action, lr_scale = self.updates.push(
-                wave,
-                clock,
-                tau,
-                tensors,
-                body.absent,
-                body.lr_scale,
-                self.stats[wave],
-                body.samples,
-                body.compute_s,
-                body.overhead_s,
-                body.compute_samples,
-            )
+            action, lr_scale = self.updates.push(wave, clock, tau, tensors, body, self.stats[wave])
             self.stats[wave].record_push(tau)
         self.clocks.advance(wave)
         self.checkpoints.log_push(

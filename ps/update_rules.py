@@ -30,6 +30,7 @@ from wavelet.common.config import (
     JobConfig,
     OptimizerConfig,
 )
+from wavelet.common.messages import PushRequest
 from wavelet.ps.balance import BatchBalancer
 from wavelet.ps.policy import make_policy
 from wavelet.ps.shard import Shard
@@ -133,26 +134,23 @@ class Updates:
         clock: int,
         tau: int,
         tensors: list[torch.Tensor],
-        absent: list[int],
-        lr_scale: float,
+        push: PushRequest,
         stats: WaveStats,
-        samples: int = 0,
-        compute_s: float = 0.0,
-        overhead_s: float = 0.0,
-        compute_samples: int = 0,
     ) -> tuple[str, float]:
         """Apply a validated push now (asynchronous: as the policy decides) or add it to its
-        group's open sum; returns what was done and the learning-rate factor used. ``absent``:
-        chunks the push has no gradient for, left out of the update; ``samples``: its batch;
-        ``compute_s`` and ``overhead_s``: how long the wave computed its last batch (of
+        group's open sum; returns what was done and the learning-rate factor used. Of ``push``:
+        ``absent``, the chunks it has no gradient for, left out of the update; ``samples``, its
+        batch; ``compute_s`` and ``overhead_s``, how long the wave computed its last batch (of
         ``compute_samples``, 0: ``samples``) and what else its step cost (balanced batches)."""
-        grads = self.shard.gradients(tensors, absent)
+        grads = self.shard.gradients(tensors, push.absent)
         self.shard.store_buffers(wave, tensors)
-        self.balancer.record(wave, compute_samples or samples, compute_s, overhead_s)
+        measured = push.compute_samples or push.samples
+        self.balancer.record(wave, measured, push.compute_s, push.overhead_s)
+        lr_scale = push.lr_scale
         if self.synchronous:
             # The gradients of one clock of a group read the same version: average them (over
             # their samples, where batches differ).
-            action = self.sync.add(wave, clock, grads, lr_scale, samples or 1)
+            action = self.sync.add(wave, clock, grads, lr_scale, push.samples or 1)
             if action == "dropped":
                 stats.dropped += 1
             return action, lr_scale

@@ -309,7 +309,7 @@ class Wave:
         # told with the next push (this one may have left during backward), with its batch:
         # balanced batches change size from one step to the next
         client.step_compute_s = forward_s + backward_run_s
-        client.step_compute_samples = batch_samples(batch)
+        client.step_compute_samples = client.step_samples
         if self.ident.global_index == self.job.slow_wave:  # a straggler, on request
             time.sleep((self.job.slow_factor - 1.0) * (backward_end - t0))
         finite = self.loss_scale.unscale(model)  # fp16: an overflowing step is skipped
