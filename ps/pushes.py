@@ -63,6 +63,11 @@ class PushesAndReads:
             lr_scale=lr_scale,
             policy=self.updates.policy.name,
             apply_s=time.perf_counter() - started,  # this shard's work: read, check, update
+            # what the wave told of its step (balanced batches weigh it): its batch, and how
+            # long it computed which batch
+            samples=body.samples,
+            compute_s=body.compute_s,
+            compute_samples=body.compute_samples,
         )
         self.updates.complete()
         return wave, action

@@ -39,9 +39,13 @@ class Shard:
 
     Trainable chunks are updated by the optimizer. Buffers (BatchNorm running statistics, other
     persistent buffers; frozen parameters are not planned) are not trained: each wave uploads its
-    current values with every push and a pull returns their mean over the waves that uploaded
-    (integer buffers such as ``num_batches_tracked`` take the maximum), so evaluation sees
-    statistics from all the data.
+    current values with every push and a pull returns their mean over the waves that uploaded,
+    each weighed by the samples of the push it came with (integer buffers such as
+    ``num_batches_tracked`` take the maximum), so evaluation sees statistics from all the data.
+    The weights matter where batches differ (balanced batches): a wave cut to a few samples
+    estimates its running mean from those few, and counted like the others its noise filled the
+    mean; weighed, one step of every wave moves a running mean as one process's step on their
+    concatenated batches does.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class Shard:
         self.params: dict[int, torch.nn.Parameter] = {}
         self.buffers: dict[int, torch.Tensor] = {}  # initial values, until a wave uploads its own
         self.wave_buffers: dict[object, dict[int, torch.Tensor]] = {}
+        self.buffer_samples: dict[object, int] = {}  # each upload's push's samples (0: untold)
         self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0  # updates applied
         self.changes = 0  # updates and buffer uploads: what a cached wire copy is valid for
@@ -218,8 +223,11 @@ class Shard:
             if s.trainable and s.key not in skip
         }
 
-    def store_buffers(self, wave: object, tensors: Sequence[torch.Tensor]) -> None:
-        """Keep ``wave``'s buffer values (copied: the frames they arrived in are released)."""
+    def store_buffers(
+        self, wave: object, tensors: Sequence[torch.Tensor], samples: int = 0
+    ) -> None:
+        """Keep ``wave``'s buffer values (copied: the frames they arrived in are released),
+        measured on a batch of ``samples`` (0: not told)."""
         values = {
             s.key: t.to(s.desc.torch_dtype, copy=True)
             for s, t in zip(self.specs, tensors, strict=True)
@@ -227,12 +235,14 @@ class Shard:
         }
         if values:
             self.wave_buffers[wave] = values
+            self.buffer_samples[wave] = max(0, samples)
             self.changes += 1
 
     def forget_wave(self, wave: object) -> None:
         """``wave`` left: its buffer values (BatchNorm statistics) no longer count in the mean.
         Where it was the last to upload a key, its values stay as the key's base value."""
         values = self.wave_buffers.pop(wave, None) or {}
+        self.buffer_samples.pop(wave, None)
         if values:  # the mean of the buffers changes: a cached wire copy is stale
             self.changes += 1
         for key, value in values.items():
@@ -305,13 +315,17 @@ class Shard:
         return self._wire_copy[1]
 
     def _buffer_value(self, spec: ChunkSpec) -> torch.Tensor:
-        uploads = [b[spec.key] for b in self.wave_buffers.values() if spec.key in b]
-        if not uploads:
+        waves = [w for w, b in self.wave_buffers.items() if spec.key in b]
+        if not waves:
             return self.buffers[spec.key]
-        stacked = torch.stack(uploads)
-        if stacked.is_floating_point():
+        stacked = torch.stack([self.wave_buffers[w][spec.key] for w in waves])
+        if not stacked.is_floating_point():
+            return stacked.max(0).values
+        samples = [self.buffer_samples.get(w, 0) for w in waves]
+        if 0 in samples or len(set(samples)) == 1:  # untold, or equal: the plain mean
             return stacked.mean(0)
-        return stacked.max(0).values
+        weights = torch.tensor(samples, dtype=stacked.dtype) / sum(samples)
+        return torch.tensordot(weights, stacked, dims=1)
 
     def buffer_value(self, key: int) -> torch.Tensor:
         """The value a pull serves for buffer chunk ``key``."""
@@ -323,6 +337,7 @@ class Shard:
             raise ProtocolError(ErrorCode.UNKNOWN_KEY, f"key {key} is no buffer of this shard")
         self.buffers[key] = value.to(self.buffers[key].dtype, copy=True)
         self.wave_buffers.clear()
+        self.buffer_samples.clear()
         self.changes += 1
 
     def reload(self, state: dict) -> None:
@@ -336,6 +351,7 @@ class Shard:
             else:
                 self.buffers[spec.key] = value.clone()
         self.wave_buffers.clear()
+        self.buffer_samples.clear()
         self.version = state["version"]
         if state["optimizer"] is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])

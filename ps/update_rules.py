@@ -140,10 +140,11 @@ class Updates:
         """Apply a validated push now (asynchronous: as the policy decides) or add it to its
         group's open sum; returns what was done and the learning-rate factor used. Of ``push``:
         ``absent``, the chunks it has no gradient for, left out of the update; ``samples``, its
-        batch; ``compute_s`` and ``overhead_s``, how long the wave computed its last batch (of
-        ``compute_samples``, 0: ``samples``) and what else its step cost (balanced batches)."""
+        batch; ``compute_s`` and ``overhead_s``, how long the wave computed a batch (of
+        ``compute_samples``, 0: ``samples``; this one so far, where the push left during
+        backward) and what else its step cost (balanced batches)."""
         grads = self.shard.gradients(tensors, push.absent)
-        self.shard.store_buffers(wave, tensors)
+        self.shard.store_buffers(wave, tensors, push.samples)
         measured = push.compute_samples or push.samples
         self.balancer.record(wave, measured, push.compute_s, push.overhead_s)
         lr_scale = push.lr_scale

@@ -136,12 +136,13 @@ class ServiceWave:
         peer: bytes = b"",
         wave: int = 0,
         wire_dtype: str = "fp32",
+        model: torch.nn.Module | None = None,
     ):
         self.service = service
         # its connection: one per wave, as a PSClient has
         self.peer = peer or f"{worker}/{wave}".encode()
         self.wave = wave
-        self.model = tiny_model()
+        self.model = model if model is not None else tiny_model()
         self.plan = ShardingPlan.for_model(self.model, 1, 4 << 20, wire_dtype)
         self.tensors = {n: t for n, t, _ in model_tensors(self.model)}
         self.chunks = self.plan.for_shard(0)

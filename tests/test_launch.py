@@ -67,7 +67,11 @@ def test_default_job_reaches_the_accuracy_bar(tmp_path):
     for w in summary["waves"].values():
         assert w["pushes"] > 0 and w["staleness_mean"] == 0
         assert w["transport"] == "shm"  # shards and worker share this host
-    assert (run_dir / "records" / "ps-0-pushes.jsonl").exists()
+    pushes = list(read_records(run_dir / "records" / "ps-0-pushes.jsonl"))
+    # every push tells its own step's batch and compute, the first too: a push that leaves
+    # during backward tells the compute so far (balanced batches follow it a step sooner)
+    assert pushes and all(p["compute_samples"] == p["samples"] > 0 for p in pushes), pushes[:3]
+    assert all(p["compute_s"] > 0 for p in pushes), pushes[:3]
     assert (run_dir / "staleness.png").read_bytes()[:4] == b"\x89PNG"
     _assert_nothing_left(run_dir)
 

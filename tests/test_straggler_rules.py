@@ -78,6 +78,51 @@ def test_a_balanced_step_equals_one_process_on_the_concatenated_batch(tmp_path):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
 
 
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    )
+
+
+def test_a_balanced_steps_batchnorm_statistics_are_one_process_on_the_concatenated_batch(
+    tmp_path,
+):
+    """Batches of 6 and 26 samples: the running mean the shard serves after their step is the
+    one a single process's step on all 32 leaves (each wave's upload weighed by its samples;
+    unweighed, the 6 samples counted as much as the 26)."""
+    service = service_for(tmp_path, job={"staleness": 0, "balance_batches": "on"})
+    try:
+        waves = [ServiceWave(service, f"w{i}", model=_bn_model()) for i in range(2)]
+        for w in waves:
+            w.join()
+        batches = [_batch(1, 6), _batch(2, 26)]
+        for w, (x, y) in zip(waves, batches, strict=True):
+            F.cross_entropy(w.model(x), y).backward()  # its running statistics move too
+            values = dict(w.model.named_parameters())
+            tensors = [
+                chunk_view(values[c.name].grad if c.trainable else w.tensors[c.name], c)
+                for c in w.chunks
+            ]
+            _push(w, 0, tensors, len(y))
+        assert service.shard.version == 1
+        reference = _bn_model()
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        F.cross_entropy(reference(x), y).backward()
+        buffers = dict(reference.named_buffers())
+        served = [c for c in waves[0].chunks if not c.trainable]
+        assert {c.name for c in served} >= {"1.running_mean", "1.num_batches_tracked"}
+        for c in served:
+            got = service.shard.buffer_value(c.key)
+            if c.name == "1.running_mean":
+                torch.testing.assert_close(got, chunk_view(buffers[c.name], c), rtol=0, atol=1e-5)
+            elif c.name == "1.num_batches_tracked":
+                assert int(got) == 1
+    finally:
+        service.close()
+
+
 def test_a_waves_speed_is_the_batch_its_compute_time_measured(tmp_path):
     """A push says how long the wave's previous batch took (this one's push may leave during
     backward): where balancing cut the batch from 32 to 8, the speed is 32 samples over that

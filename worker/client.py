@@ -112,9 +112,25 @@ class PSClient(Recovery):
         self.step_samples = 0
         self.step_compute_s = 0.0
         self.step_compute_samples = 0  # the batch step_compute_s measured
+        # while this step's backward runs: its forward's seconds and when backward began
+        # (perf_counter), so that a push leaving during backward tells this step's compute
+        self.step_forward_s = 0.0
+        self.backward_began: float | None = None
         self.step_overhead_s = 0.0
         self.transport = transport
         self.tcp_reasons: dict[str, str] = {}  # shard address -> why it is reached over TCP
+
+    def measured_compute(self) -> tuple[float, int]:
+        """The compute seconds a push tells the shards, and the batch they measured. A push
+        that leaves during backward tells this step's so far (its forward and the backward up
+        to the push, which leaves once the shard's gradients are all made: near the end for a
+        shard that holds an early layer): telling the step before's instead, the shards saw a
+        co-tenant's cap one step late, and every wave waited two slow steps, not one, for a
+        node whose batch was still sized for full speed."""
+        if self.backward_began is not None:
+            so_far = self.step_forward_s + time.perf_counter() - self.backward_began
+            return so_far, self.step_samples
+        return self.step_compute_s, self.step_compute_samples
 
     @property
     def addresses(self) -> list[str]:

@@ -281,6 +281,7 @@ def push_message(
     gradients went into its shared-memory segment, or for a skipped step); ``sent``: keys of
     chunks that went ahead in parts (``push_part_message``), which its last part leaves out."""
     data = client.data
+    compute_s, compute_samples = client.measured_compute()
     body = PushRequest(
         lr_scale=lr_scale,
         shm=data.shm(shard) and not skip,
@@ -288,8 +289,8 @@ def push_message(
         part_bytes=client.part_bytes,
         absent=[] if skip else data.without_gradient(shard),
         samples=client.step_samples,
-        compute_s=client.step_compute_s,
-        compute_samples=client.step_compute_samples,
+        compute_s=compute_s,
+        compute_samples=compute_samples,
         overhead_s=client.step_overhead_s,
     )
     chunks = [] if skip else [c for c in client.chunks[shard] if c.key not in sent]

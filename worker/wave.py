@@ -296,12 +296,15 @@ class Wave:
             pulled = pending.result()  # all in already: the forward's end waited for the rest
         rec["versions_read"] = pulled.versions
         client.step_samples = batch_samples(batch)
+        client.step_forward_s = forward_s
         push = client.start_push(clock, pulled.versions, lr_scale)
         if self.pusher is not None:
             # each shard's push as soon as backward made it, over TCP in parts as it goes
             self.pusher.arm(push.send, push.part)
         try:
-            backward_run_s = self.compute(self._backward, model, meter, self.loss_scale.scale(loss))
+            backward_run_s = self.compute(
+                self._backward, model, meter, self.loss_scale.scale(loss), client
+            )
         finally:
             if self.pusher is not None:
                 self.pusher.disarm()
@@ -399,13 +402,15 @@ class Wave:
         rec["pull_wait_s"] = waited
         return loss, time.perf_counter() - began - waited
 
-    def _backward(self, model, meter, loss: torch.Tensor) -> float:
+    def _backward(self, model, meter, loss: torch.Tensor, client: PSClient) -> float:
         """Backward (pushing as it goes, where the pusher is armed); how long it took."""
         began = time.perf_counter()
         model.zero_grad(set_to_none=True)
+        client.backward_began = began  # the pushes it makes tell the compute so far
         try:
             loss.backward()
         finally:
+            client.backward_began = None
             meter.cancel_watch()
             self.baton.release(self.ident.local)  # a no-op if the watch already passed it on
         if self.device.type == "cuda":
