@@ -80,6 +80,12 @@ MODES = {
         2,
         ("--shards-per-node", "1", "--wire-dtype", "fp32"),
     ),
+    "ticktock-patient": Mode(
+        "the default with a group's update going ahead without a wave later than a quarter of "
+        "its usual turn (--turn-patience 0.25), its push folded into the next",
+        2,
+        ("--shards-per-node", "1", "--turn-patience", "0.25"),
+    ),
     "ticktock-async": Mode(
         "PS: 1 shard + 1 worker of 2 waves per node, asynchronous updates",
         2,

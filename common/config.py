@@ -222,6 +222,13 @@ class JobConfig:
         "open step (fold, counted in its mean) or dropped (drop)",
         choices=LATE_PUSHES,
     )
+    turn_patience: float = setting(
+        0.0,
+        help="wave turns and wave groups: a group's update goes ahead without a wave that has "
+        "not pushed within this many times the group's usual turn after half the group did "
+        "(a node slowed all at once, before balanced batches follow); its push is folded into "
+        "the group's next update (0: always wait for every wave)",
+    )
     update_lr: str = setting(
         "full",
         help="full: every update takes the optimizer's lr; by-samples: lr times the share of "
@@ -371,6 +378,13 @@ class JobConfig:
                     "nothing: drop it, or use --updates async to bound asynchronous waves"
                 )
         non_negative("sync_quorum", self.sync_quorum)
+        non_negative("turn_patience", self.turn_patience)
+        if self.turn_patience and self.updates not in (*GROUPED_UPDATES, "auto"):
+            raise ConfigError(
+                f"turn_patience = {self.turn_patience} is for wave turns and wave groups (how "
+                f"long a group's update waits for a late wave), not updates = {self.updates}: "
+                "drop it, or use --updates wave-turns"
+            )
         if self.sync_quorum and self.updates != "k-of-n":
             raise ConfigError(
                 f"sync_quorum = {self.sync_quorum} is for updates = k-of-n (a step closes once "

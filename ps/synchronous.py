@@ -16,7 +16,12 @@ Two ways to group the waves of a job:
   time (a CPU, worker/compute.py) does anyway.
 
 A group's sum for clock ``c`` is applied once every live wave of that group has pushed ``c``; until
-then a wave of the group may not read (its next forward must see its group's update). Wave groups
+then a wave of the group may not read (its next forward must see its group's update). With
+``patience`` (wave groups and turns) it is also applied once the waves that pushed have waited
+that many times the group's usual turn (from one of its updates to the next) for the rest: a
+node slowed all at once (a co-tenant's cap coming on) holds every node back for the step it is
+in, before balanced batches follow from its push (``ps/balance.py``); its late push is folded
+into the group's next update, as k of n folds one. Wave groups
 also keep the turns in order (``in_turn``): group g reads clock c once every earlier group has
 pushed c - 1 and every later group c - 2, which is the tick-tock timeline (tick c reads before
 tock's update c - 1 lands, tock c after tick's update c - 1). Wave turns shift both by one
@@ -117,6 +122,7 @@ class SyncGroups:
 
     LATE_FACTOR = 0.25
     MIN_GRACE_S = 0.02
+    TURNS_MEASURED = 4  # patience: a group's updates timed before any closes without a wave
 
     def __init__(
         self,
@@ -124,16 +130,22 @@ class SyncGroups:
         turn_delay: int = 1,
         quorum: Callable[[int], int] | None = None,
         late: str = "fold",
+        patience: float = 0.0,
     ):
         self.by_wave_index = by_wave_index
         self.turn_delay = turn_delay
         self.sums: dict[Hashable, SyncSum] = {}
         self.quorum = quorum
         self.late = late
-        self.closed_clock = -1  # k of n: the newest step closed
-        self.step_s: deque[float] = deque(maxlen=16)  # k of n: how long recent steps took
+        self.patience = patience
+        self.closed_clock: dict[Hashable, int] = {}  # each group's newest step closed
+        # k of n: how long recent steps took from their first push; patience: each group's
+        # recent turns, from one of its updates to the next
+        self.step_s: dict[Hashable, deque[float]] = {}
+        self.closed_at: dict[Hashable, float] = {}
         self.late_pushes = 0
         self.dropped = 0
+        self.closed_early = 0  # steps closed without a late wave (k of n, patience)
 
     def group_of(self, wave: WaveId) -> Hashable:
         return wave[1] if self.by_wave_index else "all"
@@ -142,11 +154,12 @@ class SyncGroups:
         return self.sums.setdefault(self.group_of(wave), SyncSum())
 
     def is_late(self, wave: WaveId, clock: int) -> bool:
-        """k of n: ``clock``'s step closed without this push."""
-        if self.quorum is None:
+        """k of n, patience: ``clock``'s step closed without this push."""
+        if self.quorum is None and not self.patience:
             return False
         s = self._sum(wave)
-        return clock < s.clock if s.open else clock <= self.closed_clock
+        closed = self.closed_clock.get(self.group_of(wave), -1)
+        return clock < s.clock if s.open else clock <= closed
 
     def check_push(self, wave: WaveId, clock: int) -> None:
         """A group's pushes come clock by clock: refuse one for another clock than the open
@@ -178,7 +191,8 @@ class SyncGroups:
         if self.late == "drop":
             self.dropped += 1
             return "dropped"
-        s.add(s.clock if s.open else self.closed_clock + 1, grads, lr, samples, on_time=False)
+        closed = self.closed_clock.get(self.group_of(wave), -1)
+        s.add(s.clock if s.open else closed + 1, grads, lr, samples, on_time=False)
         return "folded"
 
     def holds_back(self, wave: WaveId, clock: int) -> bool:
@@ -192,22 +206,31 @@ class SyncGroups:
         read ``clock`` (see the module's docstring)."""
         group = self.group_of(wave)
         for other in {self.group_of(w) for w in clocks.live} - {group}:
-            # how many clocks they must have pushed
+            # how many clocks they must have pushed (a step closed without a late wave counts
+            # as pushed by it)
             need = (clock if other < group else clock - 1) + 1 - self.turn_delay
-            if any(clocks.clocks[w] < need for w in clocks.live if self.group_of(w) == other):
+            done = self.closed_clock.get(other, -1) + 1 if self.patience else 0
+            members = (w for w in clocks.live if self.group_of(w) == other)
+            if any(max(clocks.clocks[w], done) < need for w in members):
                 return False
         return True
 
-    def _quorum_met(self, s: SyncSum, live: int) -> bool:
-        """k of n: k waves pushed the step and the others had their grace."""
-        if self.quorum is None:
+    def _quorum_met(self, group: Hashable, s: SyncSum, live: int) -> bool:
+        """k of n: k waves pushed the step and the others had their grace. Patience: at least
+        half the group pushed, and the rest are later than ``patience`` of its usual turns."""
+        recent = sorted(self.step_s.get(group, ()))
+        if self.quorum is not None:
+            k = min(max(1, self.quorum(live)), live)
+            median = recent[len(recent) // 2] if recent else 0.0
+            grace, since = max(self.MIN_GRACE_S, self.LATE_FACTOR * median), k - 1
+        elif self.patience and len(recent) >= self.TURNS_MEASURED:
+            k = (live + 1) // 2
+            grace, since = max(self.MIN_GRACE_S, self.patience * recent[len(recent) // 2]), -1
+        else:
             return False
-        k = min(max(1, self.quorum(live)), live)
         if len(s.arrived) < k:
             return False
-        recent = sorted(self.step_s)[len(self.step_s) // 2] if self.step_s else 0.0
-        grace = max(self.MIN_GRACE_S, self.LATE_FACTOR * recent)
-        return time.monotonic() - s.arrived[k - 1] >= grace
+        return time.monotonic() - s.arrived[since] >= grace
 
     def complete(self, clocks: ClockTable) -> list[tuple[dict[int, torch.Tensor], float, int]]:
         """Close every sum whose group's live waves have all pushed its clock; their means,
@@ -218,11 +241,18 @@ class SyncGroups:
             if not s.open:
                 continue
             members = [clocks.clocks[w] for w in clocks.live if self.group_of(w) == group]
-            if members and min(members) <= s.clock and not self._quorum_met(s, len(members)):
+            waiting = bool(members) and min(members) <= s.clock
+            if waiting and not self._quorum_met(group, s, len(members)):
                 continue  # a live wave of the group has not pushed this clock yet
+            self.closed_early += waiting
+            now = time.monotonic()
+            self.closed_clock[group] = s.clock
+            turns = self.step_s.setdefault(group, deque(maxlen=16))
             if self.quorum is not None:
-                self.closed_clock = s.clock
-                self.step_s.append(time.monotonic() - s.opened_at)
+                turns.append(now - s.opened_at)
+            elif group in self.closed_at:
+                turns.append(now - self.closed_at[group])
+            self.closed_at[group] = now
             mean = s.mean()
             if mean is not None:
                 out.append(mean)

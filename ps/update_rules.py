@@ -106,6 +106,7 @@ class Updates:
             turn_delay=0 if job.updates == "wave-turns" else 1,
             quorum=quorum,
             late=job.late_pushes,
+            patience=job.turn_patience if job.updates in GROUPED_UPDATES else 0.0,
         )
         balance = job.balance_batches if self.synchronous else "off"
         self.balancer = BatchBalancer(balance, job.batch_size, self.sync.group_of)
@@ -114,6 +115,8 @@ class Updates:
         """The rule in a few words, as ``wavelet stats`` shows it."""
         if self.rule in GROUPED_UPDATES:
             rule = self.rule.replace("-", " ")  # their turn order is the bound
+            if self.sync.patience:
+                rule += f" ({self.sync.closed_early} without a late wave)"
         elif self.rule == "k-of-n":
             rule = f"k of n ({self.sync.late_pushes} late pushes, {self.sync.late} them)"
         elif self.bound.s == 0:

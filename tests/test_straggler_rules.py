@@ -234,6 +234,77 @@ def test_a_late_push_under_k_of_n_is_folded_or_dropped(tmp_path, monkeypatch, la
     assert moved == pytest.approx(want, rel=1e-5)
 
 
+class _Clock:
+    """time.monotonic for ps/synchronous.py, moved by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_wave_turns_with_patience_go_on_without_a_late_wave_and_fold_its_push(
+    tmp_path, monkeypatch
+):
+    """Two waves of one group under wave turns, patience 1: five steps with both on time, a
+    turn each second, are the mean of both (as without patience); at step 5 wave b is late:
+    the update waits one turn for it (not 0.6 of one), then goes ahead with a's gradient
+    alone; b's push, when it comes, is folded into step 6 beside both waves' pushes for it.
+    The weights equal one wave's steps on those means, to 1e-5."""
+    import wavelet.ps.synchronous as synchronous
+
+    clock = _Clock()
+    monkeypatch.setattr(synchronous, "time", clock)
+    job = {"updates": "wave-turns", "staleness": 1, "turn_patience": 1.0, "balance_batches": "off"}
+    service = service_for(tmp_path, job=job)
+    try:
+        a, b = ServiceWave(service, "w0"), ServiceWave(service, "w1")
+        a.join(), b.join()
+        grads = _gradients(a, _batch(1, 4))
+        one = [torch.full_like(t, 1.0) for t in grads]
+        three = [torch.full_like(t, 3.0) for t in grads]
+        for step in range(5):
+            for w, g in ((a, one), (b, three)):
+                w.request(Op.PULL, clock=step)
+                _push(w, step, g, 4)
+            assert service.shard.version == step + 1  # closed by both
+            clock.now += 1.0
+        a.request(Op.PULL, clock=5)
+        _push(a, 5, one, 4)
+        clock.now += 0.6
+        service.tick()
+        assert service.shard.version == 5  # b is late by less than a turn: waited for
+        clock.now += 0.5
+        service.tick()
+        assert service.shard.version == 6  # by more: a's gradient alone
+        out = _push(b, 5, three, 4)
+        assert out == [] or all(o.header.op != Op.ERROR for o in out)
+        assert service.shard.version == 6  # the late push applies nothing by itself
+        for w, g in ((a, one), (b, three)):
+            w.request(Op.PULL, clock=6)
+            _push(w, 6, g, 4)
+        assert service.shard.version == 7
+        assert [r["action"] for r in _push_log(tmp_path) if r["worker"] == "w1"][-2] == "folded"
+        assert "1 without a late wave" in service.updates.describe()
+        got = _shard_values(service)
+    finally:
+        service.close()
+    reference = service_for(tmp_path / "ref", job={"staleness": 0, "balance_batches": "off"})
+    try:
+        r = ServiceWave(reference, "w0")
+        r.join()
+        for step, value in enumerate([2.0] * 5 + [1.0, 7.0 / 3.0]):
+            r.request(Op.PULL, clock=step)
+            _push(r, step, [torch.full_like(t, value) for t in grads], 4)
+        assert reference.shard.version == 7
+        want = _shard_values(reference)
+    finally:
+        reference.close()
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
 def _push_log(run_dir: Path) -> list[dict]:
     from wavelet.common.records import read_records
 
