@@ -88,3 +88,20 @@ def test_modes_that_average_more_samples_scale_the_jobs_learning_rate():
     # bsp averages the 4 waves of two nodes: twice all-reduce's samples per update
     assert cluster.MODES["bsp"].lr_factor == 2.0
     assert cluster.MODES["allreduce"].lr_factor == 1.0
+
+
+def test_a_seed_that_missed_the_target_counts_as_later_than_those_that_reached_it():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cluster_report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def runs(*times):
+        return [{"time_to_target_s": t} for t in times]
+
+    median = cluster_report.time_to_target_median
+    assert median(runs(17.1, None, 30.3)) == 30.3  # not 23.7, the reached two's
+    assert median(runs(17.1, None, None)) == float("inf")  # the median run missed it
+    assert median(runs(20.3, 24.9, 17.3)) == 20.3
+    assert median([]) is None
