@@ -4,6 +4,7 @@ removes, a shaped link), a PS mode and all-reduce, a few seconds each, one repor
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,20 @@ def test_two_emulated_nodes_run_every_mode_and_report(tmp_path):
     assert results["ticktock"]["shard_apply_ms"] > 0
     report = (out / "report.md").read_text()
     assert "| ticktock |" in report and "| allreduce |" in report and "## 100mbit" in report
+    # the records of a real run hold what benchmarks/turn_waits.py reads
+    run = out / "100mbit" / "ticktock" / "seed0"
+    waits = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "turn_waits.py"), str(run)],
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert waits.returncode == 0, waits.stderr
+    rows = [line.split("|") for line in waits.stdout.splitlines() if re.match(r"\| w\d", line)]
+    assert [r[1].strip() for r in rows] == ["w0", "w1"], waits.stdout
+    assert all(int(r[4]) > 0 for r in rows), waits.stdout  # turns both nodes pushed
 
 
 def test_modes_that_average_more_samples_scale_the_jobs_learning_rate():
@@ -105,3 +120,43 @@ def test_a_seed_that_missed_the_target_counts_as_later_than_those_that_reached_i
     assert median(runs(17.1, None, None)) == float("inf")  # the median run missed it
     assert median(runs(20.3, 24.9, 17.3)) == 20.3
     assert median([]) is None
+
+
+def test_turn_waits_are_what_each_push_waited_for_the_last_of_its_turn(tmp_path):
+    """Two workers' pushes to two shards: w1 is 0.05 s later in one turn, w0 0.02 s in the
+    other; a folded push and a turn one worker missed count for nothing. Each worker's compute
+    share is its waves' forward and backward seconds over the span of their steps."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import turn_waits
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def write(path: Path, records: list[dict]) -> None:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def push(worker, clock, t, action="accumulated"):
+        return {"worker": worker, "wave": 0, "clock": clock, "t": t, "action": action}
+
+    pushes = [
+        push("w0", 0, 10.0),
+        push("w1", 0, 10.05),
+        push("w1", 1, 11.0),
+        push("w0", 1, 11.02),
+        push("w1", 1, 11.5, "folded"),  # a late push into a later step: no turn of its own
+        push("w0", 2, 12.0),  # w1 never pushed clock 2 here
+    ]
+    write(tmp_path / "ps-0-pushes.jsonl", pushes)
+    write(tmp_path / "ps-1-takeover-pushes.jsonl", pushes[:2])
+    waits = turn_waits.turn_waits(tmp_path)
+    assert sorted(waits) == ["w0", "w1"]
+    assert waits["w0"] == pytest.approx([0.05, 0.0, 0.05])
+    assert waits["w1"] == pytest.approx([0.0, 0.02, 0.0])
+
+    steps = [
+        {"kind": "step", "t": float(t), "forward_s": 0.1, "backward_s": 0.2} for t in range(10)
+    ]
+    write(tmp_path / "worker-1-wave-0.jsonl", [{"kind": "start", "t": 0.0}, *steps])
+    write(tmp_path / "worker-1-wave-1.jsonl", steps)
+    # after the first SKIP_STEPS steps: 4 steps of 0.3 s in the 4 s their ends span, per wave
+    assert turn_waits.compute_share(tmp_path) == pytest.approx({"w1": 2 * 4 * 0.3 / 4})

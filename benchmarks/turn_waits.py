@@ -1,0 +1,84 @@
+"""Where a synchronous turn's time goes, from the records of a run of ``benchmarks/cluster.py``
+(``RUN/merged/records``): per node, the share of the wall clock its waves spent in forward or
+backward, and how long its push waited per turn for the last push of the same turn (a group's
+pushes for one clock, as each shard received them; every shard's turns count).
+
+    python benchmarks/turn_waits.py /tmp/slow/1gbit/ticktock/seed0 [more run folders]
+
+Under wave turns a node that pushes first waits for the last; where both nodes wait about as
+often, the lateness is noise no batch size can foresee (docs/performance.md, "Stragglers").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+SKIP_STEPS = 5  # each wave's first steps: allocation and the first balancing
+
+
+def _records(path: Path) -> list[dict]:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def turn_waits(records: Path) -> dict[str, list[float]]:
+    """Per worker, what each of its pushes waited for the last push of its turn, in seconds."""
+    waits: dict[str, list[float]] = defaultdict(list)
+    for log in sorted(records.glob("ps-*-pushes.jsonl")):
+        turns: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+        for r in _records(log):
+            if "clock" in r and "worker" in r and r.get("action") != "folded":
+                turns[r["wave"], r["clock"]][r["worker"]] = r["t"]
+        workers = {w for pushes in turns.values() for w in pushes}
+        for pushes in turns.values():
+            if len(pushes) == len(workers) > 1:  # a turn every worker pushed to this shard
+                last = max(pushes.values())
+                for worker, t in pushes.items():
+                    waits[worker].append(last - t)
+    return dict(waits)
+
+
+def compute_share(records: Path) -> dict[str, float]:
+    """Per worker (``w<rank>``), its waves' forward and backward seconds over the wall clock
+    their steps spanned (after each wave's first ``SKIP_STEPS``), summed over its waves."""
+    share: dict[str, float] = defaultdict(float)
+    for log in sorted(records.glob("worker-*-wave-*.jsonl")):
+        rank = re.match(r"worker-(\d+)-wave-", log.name).group(1)
+        steps = [r for r in _records(log) if r.get("kind") == "step"][SKIP_STEPS:]
+        if len(steps) < 2:
+            continue
+        wall = steps[-1]["t"] - steps[0]["t"]
+        busy = sum(r["forward_s"] + r["backward_s"] for r in steps[1:])
+        share[f"w{rank}"] += busy / wall
+    return dict(share)
+
+
+def table(run: Path) -> str:
+    records = run / "merged" / "records"
+    if not records.is_dir():
+        raise SystemExit(f"{records} is missing: give a run folder of benchmarks/cluster.py")
+    waits, share = turn_waits(records), compute_share(records)
+    lines = [f"{run}", "| worker | compute share | wait per turn, ms (mean) | turns |"]
+    lines.append("|---|---:|---:|---:|")
+    for worker in sorted(set(waits) | set(share)):
+        w = waits.get(worker, [])
+        mean = f"{1000 * statistics.mean(w):.0f}" if w else "-"
+        lines.append(f"| {worker} | {share.get(worker, 0.0):.2f} | {mean} | {len(w)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run folders (MODE/seedN) of cluster.py")
+    args = p.parse_args(argv)
+    print("\n\n".join(table(run) for run in args.runs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
