@@ -206,6 +206,13 @@ class JobConfig:
         "while the fastest wave of a step is over 1.3x the slowest)",
         choices=BALANCE_BATCHES,
     )
+    balance_max_factor: float = setting(
+        4.0,
+        help="balanced batches: no wave's batch beyond this many times the job's, the other "
+        "waves' shrinking to push with it (1: a faster wave keeps the job's batch and slower "
+        "ones shrink, for a batch sized to the device's memory; wavelet compare at a memory "
+        "budget runs 1)",
+    )
     move_slow_shards: bool = setting(
         True,
         help="a shard whose node's workers compute over 1.3x slower than the fastest node's "
@@ -377,6 +384,11 @@ class JobConfig:
                     f"{order} fixes each update's delay), so {' and '.join(unused)} would do "
                     "nothing: drop it, or use --updates async to bound asynchronous waves"
                 )
+        if not self.balance_max_factor >= 1:  # NaN too
+            raise ConfigError(
+                f"balance_max_factor = {self.balance_max_factor}: a wave's balanced batch may "
+                "not be held below the job's; give 1 or more"
+            )
         non_negative("sync_quorum", self.sync_quorum)
         non_negative("turn_patience", self.turn_patience)
         if self.turn_patience and self.updates not in (*GROUPED_UPDATES, "auto"):

@@ -28,7 +28,9 @@ node hosts a shard every wave is remote to one of them. A wave that computes its
 seconds after an overhead o pushes at o + b / v; the balancer answers each read with the batch
 that makes those times equal across a group: with B the group's samples per step (its waves times
 the job's batch), every wave pushes at t = (B + sum v o) / sum v, and wave i takes v_i (t - o_i),
-each at least 1 and at most ``MAX_FACTOR`` times the job's batch (measured here, a remote node's
+each at least 1 and at most ``max_factor`` times the job's batch (where that bound holds a wave
+back, t is its push time at the bound, and the others shrink to push with it: a batch sized to
+a device's memory may not grow; ``balance_max_factor``) (measured here, a remote node's
 push arrived 28 ms after a local one's when only speeds counted: a seventh of each turn).
 ``balance_batches = "auto"`` balances only while, at equal batches, the slowest wave of a group
 would push over ``ON_SPREAD`` times later than the fastest, and stops below ``OFF_SPREAD`` (a co-
@@ -51,16 +53,23 @@ WINDOW_S = 0.75  # the fewest latest pushes that hold this many seconds of compu
 WARMUP = 1  # pushes of each wave not counted: the first step allocates and warms caches
 ON_SPREAD = 1.3  # auto: balance once the fastest wave is this much faster than the slowest
 OFF_SPREAD = 1.15  # auto: and go back to equal batches below this
-MAX_FACTOR = 4  # no wave's batch beyond this many times the job's
+MAX_FACTOR = 4.0  # no wave's batch beyond this many times the job's (balance_max_factor)
 MIN_SAMPLES = 1  # measurements of every wave before its speed counts (after the WARMUP ones)
 CHANGE = 2.0  # the latest MIN_WINDOW pushes this much faster or slower: a new pace
 OVERHEADS = 8  # each wave's overhead: the median of its last this many steps
 
 
 class BatchBalancer:
-    def __init__(self, mode: str, batch_size: int, group_of: Callable[[WaveId], Hashable]):
+    def __init__(
+        self,
+        mode: str,
+        batch_size: int,
+        group_of: Callable[[WaveId], Hashable],
+        max_factor: float = MAX_FACTOR,
+    ):
         self.mode = mode  # on, off, auto
         self.batch_size = batch_size
+        self.max_batch = max_factor * batch_size
         self.group_of = group_of
         self.speed: dict[WaveId, float] = {}  # samples per second of compute, latest pushes
         self.seen: dict[WaveId, int] = {}  # pushes counted (after the WARMUP ones)
@@ -127,8 +136,10 @@ class BatchBalancer:
         total = self.batch_size * len(members)
         # every wave of the group pushes at t: o_i + b_i / v_i = t, and sum b_i = total
         t = (total + sum(speeds[w] * overheads[w] for w in members)) / sum(speeds.values())
+        # no wave beyond the bound: where it would go past, the others push when it does
+        t = min(t, min(overheads[w] + self.max_batch / speeds[w] for w in members))
         batch = speeds[wave] * (t - overheads[wave])
-        return int(min(max(1, round(batch)), MAX_FACTOR * self.batch_size))
+        return int(min(max(1, round(batch)), self.max_batch))
 
     def _balancing(
         self, group: Hashable, speeds: dict[WaveId, float], overheads: dict[WaveId, float]

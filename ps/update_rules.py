@@ -109,7 +109,9 @@ class Updates:
             patience=job.turn_patience if job.updates in GROUPED_UPDATES else 0.0,
         )
         balance = job.balance_batches if self.synchronous else "off"
-        self.balancer = BatchBalancer(balance, job.batch_size, self.sync.group_of)
+        self.balancer = BatchBalancer(
+            balance, job.batch_size, self.sync.group_of, job.balance_max_factor
+        )
 
     def describe(self) -> str:
         """The rule in a few words, as ``wavelet stats`` shows it."""

@@ -32,7 +32,8 @@ def _rows(parser: argparse.ArgumentParser) -> list[str]:
         if action.help == argparse.SUPPRESS:
             continue
         flag = _flag(action) if action.option_strings else f"`{action.dest}` (positional)"
-        rows.append(f"| {flag} | {_cell(action.help or '')} |")
+        # argparse prints a help's "%%" as "%"; so does the reference
+        rows.append(f"| {flag} | {_cell((action.help or '').replace('%%', '%'))} |")
     return rows
 
 

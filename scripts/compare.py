@@ -101,7 +101,10 @@ def mode_job(
     waves = per_device if mode.allreduce else run_job.waves
     lr = scaled_lr(job, batch * _gradients_per_lr(mode, run_job, processes), plan.lr_rule)
     optimizer = dataclasses.replace(run_job.optimizer, lr=lr)
-    run_job = dataclasses.replace(run_job, batch_size=batch, waves=waves, optimizer=optimizer)
+    # the batch that fits is the most a wave may take: balanced batches only shrink the slower
+    run_job = dataclasses.replace(
+        run_job, batch_size=batch, waves=waves, optimizer=optimizer, balance_max_factor=1.0
+    )
     return run_job, batch, peak, layout.threads if layout is not None else 0
 
 

@@ -11,8 +11,8 @@ FAST, SLOW = ("w0", 0), ("w1", 0)
 LIVE = {FAST, SLOW}
 
 
-def _balancer(mode="on", batch=32):
-    return BatchBalancer(mode, batch, lambda wave: wave[1])  # a group per wave index
+def _balancer(mode="on", batch=32, max_factor=4.0):
+    return BatchBalancer(mode, batch, lambda wave: wave[1], max_factor)  # a group per wave index
 
 
 def _feed(b, wave, samples, compute_s, overhead_s, steps=WARMUP + MIN_SAMPLES):
@@ -140,3 +140,19 @@ def test_a_steady_caps_swing_is_not_taken_for_a_new_pace():
     b.record(SLOW, 32, 0.1)  # two lucky steps in a row: 1.75x the pace before, under CHANGE
     assert len(b.window[SLOW]) == WINDOW  # nothing forgotten
     assert b.speed[SLOW] < 1.3 * sustained  # far from the lucky steps' 320
+
+
+@pytest.mark.timeout(10)
+def test_a_batch_sized_to_memory_never_grows_the_slower_wave_shrinks_to_push_with_it():
+    """balance_max_factor 1 (a batch sized to the device's memory, as compare's budget): the
+    faster wave keeps the job's batch, the slower takes what it computes in the same time, and
+    both push together; at 1.25 the faster grows to 40 of the 43 it would take unbounded, and
+    the slower matches its push time."""
+    for factor, fast_batch in ((1.0, 32), (1.25, 40)):
+        b = _balancer(max_factor=factor)
+        _feed(b, FAST, 32, 0.1, 0.005)  # 320 samples/s
+        _feed(b, SLOW, 32, 0.2, 0.005)  # 160 samples/s
+        fast, slow = b.batch_for(FAST, LIVE), b.batch_for(SLOW, LIVE)
+        assert fast == fast_batch  # 43 without the bound
+        assert slow == round(fast_batch / 2)
+        assert abs(_push_time(b, FAST, fast) - _push_time(b, SLOW, slow)) < 1 / 160

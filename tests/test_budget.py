@@ -75,6 +75,10 @@ def test_waves_that_compute_one_at_a_time_fit_one_waves_batch():
     # ...unless they take turns (ticktock on a CPU is wave turns): never two at once
     turns, in_turns, _, _ = mode_job(MODES["ticktock"], job, ["cpu"], plan, threads=1)
     assert turns.updates == "wave-turns" and in_turns == alone
+    # the batch that fits is the most any wave takes: balanced batches only shrink slower ones
+    assert turns.balance_max_factor == 1.0
+    unbudgeted, _, _, _ = mode_job(MODES["ticktock"], job, ["cpu"], None)
+    assert unbudgeted.balance_max_factor == job.balance_max_factor == 4.0
 
 
 def test_one_comparison_probes_each_layout_once():

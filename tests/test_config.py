@@ -56,6 +56,8 @@ def test_toml_then_flags_then_set(tmp_path):
         ({"optimizer": {"name": "LBFGS"}}, "needs a closure"),
         ({"find_unused_parameters": 1}, "must be one of auto, always, never, got 1"),
         ({"turn_patience": -1}, "turn_patience must be >= 0"),
+        ({"balance_max_factor": 0.5}, "balance_max_factor = 0.5: .* give 1 or more"),
+        ({"balance_max_factor": float("nan")}, "balance_max_factor must be a finite number"),
         ({"turn_patience": 2, "updates": "async"}, "is for wave turns and wave groups"),
         ({"optimizer": {"name": "sparseadam"}}, "takes sparse gradients"),
         ({"optimizer": {"name": "adam", "kwargs": {"momentum": 0.7}}}, "rejected its arguments"),
