@@ -98,6 +98,7 @@ def test_every_supported_optimizer_passes_its_own_checks_without_loading_the_com
         ["launch", "--devices", "tpu:0"],
         ["launch", "--model", "nosuch"],
         ["launch", "--batch-size", "5000"],
+        ["launch", "--balance-max-factor", "0.5"],
         ["ps", "--shard-index", "5"],
         ["ps", "--bind", "127.0.0.1:5555"],
         ["worker", "--shard", "tcp://127.0.0.1:1"],  # 1 address for the default 2 shards
