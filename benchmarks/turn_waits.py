@@ -6,24 +6,20 @@ pushes for one clock, as each shard received them; every shard's turns count).
     python benchmarks/turn_waits.py /tmp/slow/1gbit/ticktock/seed0 [more run folders]
 
 Under wave turns a node that pushes first waits for the last; where both nodes wait about as
-often, the lateness is noise no batch size can foresee (docs/performance.md, "Stragglers").
+often, the lateness is noise no batch size can foresee (docs/stragglers.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from wavelet.common.records import read_records
+
 SKIP_STEPS = 5  # each wave's first steps: allocation and the first balancing
-
-
-def _records(path: Path) -> list[dict]:
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def turn_waits(records: Path) -> dict[str, list[float]]:
@@ -31,7 +27,7 @@ def turn_waits(records: Path) -> dict[str, list[float]]:
     waits: dict[str, list[float]] = defaultdict(list)
     for log in sorted(records.glob("ps-*-pushes.jsonl")):
         turns: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
-        for r in _records(log):
+        for r in read_records(log):
             if "clock" in r and "worker" in r and r.get("action") != "folded":
                 turns[r["wave"], r["clock"]][r["worker"]] = r["t"]
         workers = {w for pushes in turns.values() for w in pushes}
@@ -49,7 +45,7 @@ def compute_share(records: Path) -> dict[str, float]:
     share: dict[str, float] = defaultdict(float)
     for log in sorted(records.glob("worker-*-wave-*.jsonl")):
         rank = re.match(r"worker-(\d+)-wave-", log.name).group(1)
-        steps = [r for r in _records(log) if r.get("kind") == "step"][SKIP_STEPS:]
+        steps = [r for r in read_records(log) if r.get("kind") == "step"][SKIP_STEPS:]
         if len(steps) < 2:
             continue
         wall = steps[-1]["t"] - steps[0]["t"]

@@ -384,7 +384,7 @@ class JobConfig:
                     f"{order} fixes each update's delay), so {' and '.join(unused)} would do "
                     "nothing: drop it, or use --updates async to bound asynchronous waves"
                 )
-        if not self.balance_max_factor >= 1:  # NaN too
+        if self.balance_max_factor < 1:
             raise ConfigError(
                 f"balance_max_factor = {self.balance_max_factor}: a wave's balanced batch may "
                 "not be held below the job's; give 1 or more"

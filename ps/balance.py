@@ -53,7 +53,6 @@ WINDOW_S = 0.75  # the fewest latest pushes that hold this many seconds of compu
 WARMUP = 1  # pushes of each wave not counted: the first step allocates and warms caches
 ON_SPREAD = 1.3  # auto: balance once the fastest wave is this much faster than the slowest
 OFF_SPREAD = 1.15  # auto: and go back to equal batches below this
-MAX_FACTOR = 4.0  # no wave's batch beyond this many times the job's (balance_max_factor)
 MIN_SAMPLES = 1  # measurements of every wave before its speed counts (after the WARMUP ones)
 CHANGE = 2.0  # the latest MIN_WINDOW pushes this much faster or slower: a new pace
 OVERHEADS = 8  # each wave's overhead: the median of its last this many steps
@@ -65,7 +64,7 @@ class BatchBalancer:
         mode: str,
         batch_size: int,
         group_of: Callable[[WaveId], Hashable],
-        max_factor: float = MAX_FACTOR,
+        max_factor: float,  # no wave's batch beyond this many times the job's
     ):
         self.mode = mode  # on, off, auto
         self.batch_size = batch_size

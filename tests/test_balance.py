@@ -5,13 +5,14 @@ waves' pushes would report."""
 
 import pytest
 
+from wavelet.common.config import JobConfig
 from wavelet.ps.balance import MIN_SAMPLES, MIN_WINDOW, WARMUP, WINDOW, BatchBalancer
 
 FAST, SLOW = ("w0", 0), ("w1", 0)
 LIVE = {FAST, SLOW}
 
 
-def _balancer(mode="on", batch=32, max_factor=4.0):
+def _balancer(mode="on", batch=32, max_factor=JobConfig().balance_max_factor):
     return BatchBalancer(mode, batch, lambda wave: wave[1], max_factor)  # a group per wave index
 
 
