@@ -8,18 +8,7 @@ rendezvous, one after another, and the report (``report.md``, ``results.json``) 
 side per rate: job-wide samples/s, time to the target, the final metric, bytes per sample counted
 on the nodes' interfaces, staleness, and where each step's time goes (from the records).
 
-Modes: ``ticktock`` (one shard and one worker of two waves per node), ``ticktock-layers`` (chunks
-placed by layers, so that pushes overlap backward), ``ticktock-after`` (the same, pushing after
-backward), ``ticktock-pull`` (the same as ``ticktock-layers``, each layer's forward starting as
-soon as its weights are in), ``ticktock-groups`` and ``ticktock-groups-mc`` (wave groups, with
-momentum correction), ``ticktock-turns`` and ``ticktock-turns-pull`` (wave turns, and the same
-pulling during forward), ``bsp`` (bulk-synchronous: every wave of a clock averaged into one
-update), ``single`` and ``single-pull`` (one wave, and the same pulling during forward),
-``allreduce`` (one DDP rank per node at one wave's batch: about tick-tock's memory per device),
-``allreduce-2x`` (one rank per node at the batch of both waves: twice the activations).
-The learning rate is the job's, except where one update averages more samples than all-reduce's
-at one wave's batch: ``bsp`` (all waves of a clock) and ``allreduce-2x`` take it times the
-samples per update over all-reduce's (linear scaling, as ``wavelet compare --memory-budget``).
+The modes and what each runs are in ``cluster_modes.py``.
 
 Needs root, ``ip`` and ``tc``; nothing leaves the namespaces it makes, and it removes them. Run:
 
@@ -40,136 +29,24 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from cluster_events import (
     Disturbances,
     first_push_after,
     first_step_seen,
+    node_samples,
     parse_event,
     run_logged,
     stalls,
 )
+from cluster_modes import MODES, job_batch_size, job_lr
 from cluster_report import merge_nodes, report, shard_apply_ms, timeline_plot
 from emulated_cluster import Cluster, node_command, node_cores, preflight, rate_bits
 
 from wavelet.common import throttle
 from wavelet.common.figures import run_figures
 from wavelet.common.throttle import CpuCap
-
-
-@dataclass(frozen=True)
-class Mode:
-    description: str
-    processes: int  # per node
-    args: tuple[str, ...]
-    batch_factor: int = 1
-    lr_factor: float = 1.0  # the job's lr times this: samples per update over all-reduce's
-
-
-MODES = {
-    "ticktock": Mode(
-        "PS: 1 shard + 1 worker of 2 waves per node, the default update rule (--updates auto)",
-        2,
-        ("--shards-per-node", "1"),
-    ),
-    "ticktock-fp32": Mode(
-        "the default with gradients and weights in fp32 on the wire (--wire-dtype fp32; the "
-        "default between nodes is bf16)",
-        2,
-        ("--shards-per-node", "1", "--wire-dtype", "fp32"),
-    ),
-    "ticktock-patient": Mode(
-        "the default with a group's update going ahead without a wave later than a quarter of "
-        "its usual turn (--turn-patience 0.25), its push folded into the next",
-        2,
-        ("--shards-per-node", "1", "--turn-patience", "0.25"),
-    ),
-    "ticktock-async": Mode(
-        "PS: 1 shard + 1 worker of 2 waves per node, asynchronous updates",
-        2,
-        ("--shards-per-node", "1", "--updates", "async"),
-    ),
-    "ticktock-layers": Mode(
-        "the same with chunks placed by layers: the push to the last layers' shard leaves "
-        "while backward goes on",
-        2,
-        ("--shards-per-node", "1", "--placement", "layers", "--updates", "async"),
-    ),
-    "ticktock-after": Mode(
-        "the same as ticktock-layers, pushing only after backward (the old way)",
-        2,
-        ("--shards-per-node", "1", "--placement", "layers", "--updates", "async")
-        + ("--push-during-backward", "false"),
-    ),
-    "ticktock-pull": Mode(
-        "the same as ticktock-layers, each layer's forward starting as soon as its own weights "
-        "are in (pull during forward, parts of 256 KiB)",
-        2,
-        ("--shards-per-node", "1", "--placement", "layers", "--updates", "async")
-        + ("--pull-during-forward", "true"),
-    ),
-    "ticktock-groups": Mode(
-        "PS, wave groups: the tick waves of all nodes average into one update, the tock waves "
-        "into the next (the paper's synchronous design)",
-        2,
-        ("--shards-per-node", "1", "--updates", "wave-groups"),
-    ),
-    "ticktock-groups-mc": Mode(
-        "wave groups with momentum corrected for their two asynchronous update streams",
-        2,
-        ("--shards-per-node", "1", "--updates", "wave-groups", "--momentum-correction", "true"),
-    ),
-    "ticktock-turns": Mode(
-        "PS, wave groups in strict turns: each group reads the other's latest update (no "
-        "staleness; a group's forward waits for the other's update)",
-        2,
-        ("--shards-per-node", "1", "--updates", "wave-turns"),
-    ),
-    "ticktock-turns-pull": Mode(
-        "wave turns, each layer's forward starting as soon as its own weights are in (pull "
-        "during forward)",
-        2,
-        ("--shards-per-node", "1", "--updates", "wave-turns", "--pull-during-forward", "true"),
-    ),
-    "bsp": Mode(
-        "PS, bulk-synchronous: the waves of all nodes average into one update per clock "
-        "(staleness 0; the lr times 2: twice all-reduce's samples per update)",
-        2,
-        ("--shards-per-node", "1", "--staleness", "0"),
-        lr_factor=2.0,
-    ),
-    "ticktock-kofn": Mode(
-        "PS, k of n: a step of all waves closes once half of them pushed it; late pushes are "
-        "folded into the next step (the lr times 2, as bsp)",
-        2,
-        ("--shards-per-node", "1", "--updates", "k-of-n"),
-        lr_factor=2.0,
-    ),
-    "single": Mode(
-        "PS: 1 shard + 1 worker of 1 wave per node", 2, ("--shards-per-node", "1", "--waves", "1")
-    ),
-    "single-pull": Mode(
-        "the same as single, each layer's forward starting as soon as its own weights are in "
-        "(pull during forward)",
-        2,
-        ("--shards-per-node", "1", "--waves", "1", "--pull-during-forward", "true"),
-    ),
-    "allreduce": Mode("DDP: 1 rank per node at one wave's batch", 1, ("--mode", "allreduce")),
-    "allreduce-bf16": Mode(
-        "DDP with its gradient buckets in bf16 on the wire, the 16-bit wire's own baseline",
-        1,
-        ("--mode", "allreduce", "--wire-dtype", "bf16"),
-    ),
-    "allreduce-2x": Mode(
-        "DDP: 1 rank per node at the batch of both waves (2x activations)",
-        1,
-        ("--mode", "allreduce"),
-        batch_factor=2,
-        lr_factor=2.0,
-    ),
-}
 
 
 def run_mode(cluster: Cluster, args, mode_name: str, seed: int, run_dir: Path, port: int) -> dict:
@@ -348,41 +225,6 @@ def _wait_nodes(nodes: dict[int, subprocess.Popen], run_dir: Path, deadline: flo
     return [codes.get(n) for n in sorted(nodes)]
 
 
-def _first_push(run_dir: Path, args, joiners: list) -> float | None:
-    """A node started again (PS: its worker joining the running job): how soon its first step
-    landed after its process started, imports included."""
-    joined = [e.node for e in args.events if e.kind == "join"]
-    if not (joined and joiners):
-        return None
-    return first_push_after(run_dir / f"node{joined[0]}-join", joiners[0][0])
-
-
-def node_samples(run_dir: Path, nodes: int) -> list[int]:
-    """Samples each node's workers trained (a node started again counts its second life)."""
-    out = []
-    for n in range(nodes):
-        total = 0
-        for d in (run_dir / f"node{n}", run_dir / f"node{n}-join"):
-            for path in d.glob("records/worker-*-wave-*.jsonl"):
-                for line in path.read_text().splitlines():
-                    r = json.loads(line)
-                    if r.get("kind") == "step":
-                        total += r["samples"]
-        out.append(total)
-    return out
-
-
-def job_lr(config: str | None, extra: list[str]) -> float:
-    """The job's learning rate: from ``--lr`` among the extra job flags, else the config file,
-    else the default."""
-    from wavelet.common.config import JobConfig
-    from wavelet.common.settings import from_dict, load_toml
-
-    if "--lr" in extra:
-        return float(extra[extra.index("--lr") + 1])
-    return from_dict(JobConfig, load_toml(config) if config else {}).optimizer.lr
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=2)
@@ -449,13 +291,6 @@ def parse_args(argv=None):
     if args.batch_size is None:
         args.batch_size = job_batch_size(args.config)
     return args
-
-
-def job_batch_size(config: str) -> int:
-    from wavelet.common.config import JobConfig
-    from wavelet.common.settings import from_dict, load_toml
-
-    return (from_dict(JobConfig, load_toml(config)) if config else JobConfig()).batch_size
 
 
 def main(argv=None) -> int:

@@ -9,15 +9,16 @@ Times count from the moment the job starts training (its first step record on an
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wavelet.common.records import read_records
 from wavelet.common.throttle import CpuCap
 
 
@@ -131,16 +132,24 @@ def first_step_seen(run_dir: Path, nodes: int, started: threading.Event, done: t
     threading.Thread(target=watch, name="first-step", daemon=True).start()
 
 
+def step_records(node_dir: Path) -> Iterator[dict]:
+    """The step records of every wave in one node's run dir."""
+    for path in node_dir.glob("records/worker-*-wave-*.jsonl"):
+        yield from (r for r in read_records(path) if r.get("kind") == "step")
+
+
+def node_samples(run_dir: Path, nodes: int) -> list[int]:
+    """Samples each node's workers trained (a node started again counts its second life)."""
+    return [
+        sum(r["samples"] for d in (f"node{n}", f"node{n}-join") for r in step_records(run_dir / d))
+        for n in range(nodes)
+    ]
+
+
 def stalls(run_dir: Path, node: int, after_t: float | None) -> float | None:
     """The longest time without a step of ``node``'s waves after wall time ``after_t`` (all
     its waves together: a stall is when none of them steps)."""
-    times = []
-    for path in (run_dir / f"node{node}" / "records").glob("worker-*-wave-*.jsonl"):
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            if r.get("kind") == "step":
-                times.append(r["t"])
-    times.sort()
+    times = sorted(r["t"] for r in step_records(run_dir / f"node{node}"))
     if after_t is not None:
         before = [t for t in times if t <= after_t]
         times = ([before[-1]] if before else []) + [t for t in times if t > after_t]
@@ -150,14 +159,8 @@ def stalls(run_dir: Path, node: int, after_t: float | None) -> float | None:
 
 def first_push_after(run_dir: Path, started_t: float) -> float | None:
     """Seconds from ``started_t`` (a joiner's process start) to its first step record."""
-    firsts = []
-    for path in run_dir.glob("records/worker-*-wave-*.jsonl"):
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            if r.get("kind") == "step":
-                firsts.append(r["t"])
-                break
-    return min(firsts) - started_t if firsts else None
+    first = min((r["t"] for r in step_records(run_dir)), default=None)
+    return first - started_t if first is not None else None
 
 
 def run_logged(cmd: list[str], log: Path) -> subprocess.Popen:

@@ -11,11 +11,11 @@ from pathlib import Path
 from emulated_cluster import rate_bits  # benchmarks/, beside this script
 from summarize_updates import median_range
 
+from wavelet.common.records import read_records
+
 
 def shard_apply_ms(run_dir: Path) -> float | None:
     """Median time a shard spent on one push (read, checks, update), from its push records."""
-    from wavelet.common.records import read_records
-
     times = [
         r["apply_s"]
         for path in (run_dir / "records").glob("ps-*-pushes.jsonl")
@@ -167,8 +167,6 @@ def _disturbed(runs: list[dict], args) -> list[str]:
 def timeline_plot(result: dict, nodes: int, path: Path) -> None:
     """Each node's samples/s (1 s bins) and the test metric over the run, capped periods shaded
     and membership events marked."""
-    import json
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,8 +178,7 @@ def timeline_plot(result: dict, nodes: int, path: Path) -> None:
     for n in range(nodes):
         for d in (run_dir / f"node{n}", run_dir / f"node{n}-join"):
             for p in d.glob("records/worker-*-wave-*.jsonl"):
-                for line in p.read_text().splitlines():
-                    rec = json.loads(line)
+                for rec in read_records(p):
                     if rec.get("kind") == "step":
                         steps.setdefault(n, []).append((rec["t"], rec["samples"]))
                     elif rec.get("kind") == "eval":  # t: when the tested weights were current

@@ -93,7 +93,7 @@ def test_two_emulated_nodes_run_every_mode_and_report(tmp_path):
 def test_modes_that_average_more_samples_scale_the_jobs_learning_rate():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import cluster
+        import cluster_modes as cluster
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     config = str(ROOT / "configs" / "narrow_resnet.toml")
