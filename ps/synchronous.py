@@ -143,6 +143,9 @@ class SyncGroups:
         # recent turns, from one of its updates to the next
         self.step_s: dict[Hashable, deque[float]] = {}
         self.closed_at: dict[Hashable, float] = {}
+        # each group's open sum: the clock of every wave's earliest push in it (a folded late
+        # push and the wave's own push of the open clock may both be there)
+        self.unapplied: dict[Hashable, dict[WaveId, int]] = {}
         self.late_pushes = 0
         self.dropped = 0
         self.closed_early = 0  # steps closed without a late wave (k of n, patience)
@@ -186,14 +189,20 @@ class SyncGroups:
         s = self._sum(wave)
         if not self.is_late(wave, clock):
             s.add(clock, grads, lr, samples)
+            self.unapplied.setdefault(self.group_of(wave), {}).setdefault(wave, clock)
             return "accumulated"
         self.late_pushes += 1
         if self.late == "drop":
             self.dropped += 1
             return "dropped"
+        self.unapplied.setdefault(self.group_of(wave), {}).setdefault(wave, clock)
         closed = self.closed_clock.get(self.group_of(wave), -1)
         s.add(s.clock if s.open else closed + 1, grads, lr, samples, on_time=False)
         return "folded"
+
+    def first_unapplied(self, wave: WaveId) -> int | None:
+        """The clock of ``wave``'s earliest push still in its group's open sum (None: none)."""
+        return self.unapplied.get(self.group_of(wave), {}).get(wave)
 
     def holds_back(self, wave: WaveId, clock: int) -> bool:
         """``wave`` may not read for ``clock`` yet: its group's update of an earlier clock is
@@ -253,6 +262,7 @@ class SyncGroups:
             elif group in self.closed_at:
                 turns.append(now - self.closed_at[group])
             self.closed_at[group] = now
+            self.unapplied.pop(group, None)
             mean = s.mean()
             if mean is not None:
                 out.append(mean)

@@ -204,13 +204,15 @@ class Updates:
 
     def committed_clocks(self, clocks: dict[WaveId, int]) -> dict[WaveId, int]:
         """``clocks`` less the pushes still in an open synchronous sum (applied in no update
-        yet): the clocks a copy of this shard's applied updates stands for."""
+        yet): the clocks a copy of this shard's applied updates stands for. A wave whose late
+        push was folded into the open sum is back at that push's clock, before its push of the
+        open clock beside it."""
         out = dict(clocks)
         if self.synchronous:
-            for wave, clock in out.items():
-                s = self.sync.sums.get(self.sync.group_of(wave))
-                if s is not None and s.open and clock == s.clock + 1:
-                    out[wave] = clock - 1
+            for wave in out:
+                first = self.sync.first_unapplied(wave)
+                if first is not None:
+                    out[wave] = min(out[wave], first)
         return out
 
     def _lr_factor(self, gradients: int) -> float:

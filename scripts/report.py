@@ -80,6 +80,7 @@ def summarize(
         "train_seconds": progress.elapsed(),
         "samples_per_s": progress.samples / max(progress.elapsed(), 1e-9),
         "lost_updates": progress.lost_updates,
+        "lost_pushes": sum(progress.lost_pushes.values()),
         "precision": job_cfg.precision,
         "wire_dtype": job_cfg.wire,
         "wire_bytes": progress.wire_bytes,
@@ -188,6 +189,11 @@ def format_summary(s: dict) -> str:
         )
     if s.get("lost_updates"):
         lines.append(f"restarted shards lost {s['lost_updates']} update(s) (see the records)")
+    if s.get("lost_pushes"):
+        lines.append(
+            f"shards taken over lost {s['lost_pushes']} late push(es) folded into the step "
+            "their primary died with (see the workers' logs)"
+        )
     lines.append(_precision_line(s))
     if s["waves"]:
         lines += [
@@ -276,6 +282,7 @@ class Progress:
         self.score: float | None = None  # its latest value during training
         self.final_metrics: dict[str, float] | None = None
         self.lost_updates = 0  # most updates any wave saw a restarted shard lose
+        self.lost_pushes: dict[str, int] = {}  # per wave, folded pushes a take-over lost
         self.wire_bytes = 0  # tensor bytes the waves moved over TCP
         self.skipped: dict[str, int] = {}  # per wave, steps skipped on fp16 overflow
         self.wire_overflows: dict[str, int] = {}  # per wave, fp16 gradients clamped (running)
@@ -331,6 +338,7 @@ class Progress:
             self.epoch = max(self.epoch, r["epoch"] + 1)
             self.loss[wave] = r["loss"]
             self.lost_updates = max(self.lost_updates, r.get("lost_updates", 0))
+            self.lost_pushes[wave] = r.get("lost_pushes", 0)
             self.wire_bytes += r.get("wire_bytes", 0)
             self.skipped[wave] = self.skipped.get(wave, 0) + int(r.get("skipped", False))
             self.wire_overflows[wave] = r.get("wire_overflows", 0)

@@ -103,6 +103,7 @@ class PSClient(Recovery):
         self.on_move = on_move  # told where a shard went when its standby took it over
         self.last_versions = [0] * len(self.links)  # newest version seen from each shard
         self.lost_updates = 0
+        self.lost_pushes = 0  # pushes a take-over lost, folded into a step that died (recovery)
         # when the wave's training budget ends (monotonic; None: no budget): a wait for the
         # shards past it ends the wave (BudgetSpent) instead of outliving --max-seconds
         self.budget_ends: float | None = None

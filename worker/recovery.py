@@ -107,6 +107,14 @@ class Recovery:
                 # it holds nothing: we seed it with the weights we read before our last push,
                 # at the clock before it, and give it that push again below
                 h = self._register_again(i, clock - 1)
+            elif (
+                kept.initialized
+                and repush is not None
+                and kept.clock < clock - 1
+                and kept.version >= self.last_versions[i]  # it has what our last push read
+            ):
+                self._lost_pushes(i, clock - 1 - kept.clock)
+                h = self._register_again(i, clock - 1)  # our last push, given again below
             elif not (kept.initialized and kept.clock in (clock, clock - 1) and repush):
                 h = self._register_again(i, clock)
         else:
@@ -132,6 +140,20 @@ class Recovery:
             self.data.flush()
             return self._request_one_reply(i, header, tensors)
         return self._request_one_reply(i, self._header(Op.PULL, clock=clock))
+
+    def _lost_pushes(self, i: int, count: int) -> None:
+        """A standby took shard ``i`` over ``count`` pushes of ours short of our last one (a
+        late push k of n or patience folded into the step its primary died with, or an update
+        not yet passed on): only the last push is kept to give again, so those are lost."""
+        self.lost_pushes += count
+        log.warning(
+            "wave %s/%d: shard %s was taken over %d push(es) of this wave short of its last "
+            "one, which alone is kept to give again: lost (counted as lost_pushes)",
+            self.worker,
+            self.wave,
+            self.addresses[i],
+            count,
+        )
 
     def _register_again(self, i: int, clock: int) -> Header:
         """Register with shard ``i`` at exactly ``clock``."""

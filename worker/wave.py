@@ -361,6 +361,7 @@ class Wave:
             bound_wait_s=answered.parked_s,
             dropped=answered.dropped,
             lost_updates=client.lost_updates,
+            lost_pushes=client.lost_pushes,
             saved_bytes_peak=meter.peak,
             **device_memory(self.device),
         )
