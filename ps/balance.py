@@ -19,7 +19,10 @@ pushes before are forgotten. Without that, a wave freed of a cap kept its capped
 window while its fast ones, short on small batches, added up to ``WINDOW_S`` (its batch took 5 s
 to grow back); a steady cap's swing from push to push does not reach ``CHANGE`` over two pushes.
 The batches follow from a wave's second push on (``MIN_SAMPLES``): under a cap from the start,
-every step before them ran at the slow node's pace. Each push also
+every step before them ran at the slow node's pace. The waves of one worker share one window:
+they run one model on one device, so a cap that comes or goes shows in the next push of either
+(a window per wave saw it only after two pushes of each: under a co-tenant, node 0 ran at the
+capped node's pace for two of its steps, about 2 s, after every cap came on). Each push also
 says what the wave's last step cost besides computing and waiting for its turn (the weights and
 gradients on the wire to every shard, the loop's own work): the wave's overhead, a cost per step
 whatever its batch (the median of its last ``OVERHEADS``, so that one stall does not swing the
@@ -73,7 +76,8 @@ class BatchBalancer:
         self.speed: dict[WaveId, float] = {}  # samples per second of compute, latest pushes
         self.seen: dict[WaveId, int] = {}  # pushes counted (after the WARMUP ones)
         self.pushes: dict[WaveId, int] = {}  # pushes measured, the WARMUP ones too
-        self.window: dict[WaveId, deque[tuple[int, float]]] = {}  # (samples, compute seconds)
+        # (samples, compute seconds) of each worker's latest pushes, all its waves'
+        self.window: dict[str, deque[tuple[int, float]]] = {}
         # its last WINDOW pushes whatever their pace, for slower decisions (moving a shard)
         self.history: dict[WaveId, deque[tuple[int, float]]] = {}
         self.overheads: dict[WaveId, deque[float]] = {}  # seconds per step besides compute
@@ -88,12 +92,15 @@ class BatchBalancer:
         self.pushes[wave] = self.pushes.get(wave, 0) + 1
         if self.pushes[wave] <= WARMUP:
             return
-        window = self.window.setdefault(wave, deque(maxlen=WINDOW))
+        window = self.window.setdefault(wave[0], deque(maxlen=WINDOW))
         window.append((samples, compute_s))
         self.history.setdefault(wave, deque(maxlen=WINDOW)).append((samples, compute_s))
         _forget_an_old_pace(window)
-        self.speed[wave] = _latest_speed(window)
         self.seen[wave] = self.seen.get(wave, 0) + 1
+        speed = _latest_speed(window)
+        for counted in self.seen:  # its worker's waves measured so far
+            if counted[0] == wave[0]:
+                self.speed[counted] = speed
         if overhead_s > 0:
             self.overheads.setdefault(wave, deque(maxlen=OVERHEADS)).append(overhead_s)
 
@@ -113,9 +120,10 @@ class BatchBalancer:
         self.speed.pop(wave, None)
         self.seen.pop(wave, None)
         self.pushes.pop(wave, None)
-        self.window.pop(wave, None)
         self.history.pop(wave, None)
         self.overheads.pop(wave, None)
+        if not any(w[0] == wave[0] for w in self.pushes):  # its worker's last wave
+            self.window.pop(wave[0], None)
 
     def batch_for(self, wave: WaveId, live: set[WaveId]) -> int:
         """The batch ``wave`` should take next (0 where balancing is off: the job's). Where it

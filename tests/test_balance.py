@@ -127,6 +127,28 @@ def test_a_co_tenant_that_comes_and_goes_moves_the_batches_within_a_few_pushes()
 
 
 @pytest.mark.timeout(10)
+def test_a_workers_waves_share_its_pace_so_a_cap_shows_in_the_next_push_of_either():
+    """Two workers of two waves each (a group per wave index): a cap on worker w1 shows in two
+    slow pushes of its wave 0 alone, and its wave 1, which has not pushed since, takes the
+    capped batch at once: one model on one device, one pace. Worker w0 is left alone."""
+    b = _balancer("auto")
+    waves = [(w, i) for w in ("w0", "w1") for i in (0, 1)]
+    for _ in range(10):
+        for wave in waves:
+            b.record(wave, 32, 0.1, 0.01)
+    live = set(waves)
+    assert {b.batch_for(w, live) for w in waves} == {32}
+    _feed(b, ("w1", 0), 32, 0.4, 0.01, steps=MIN_WINDOW)  # a co-tenant arrives on w1: 4x slower
+    assert b.speed[("w1", 1)] == b.speed[("w1", 0)] == pytest.approx(80)
+    assert b.speed[("w0", 0)] == b.speed[("w0", 1)] == pytest.approx(320)
+    assert (b.batch_for(("w0", 1), live), b.batch_for(("w1", 1), live)) == (51, 13)
+    b.forget(("w1", 0))
+    assert "w1" in b.window  # its other wave still pushes
+    b.forget(("w1", 1))
+    assert "w1" not in b.window
+
+
+@pytest.mark.timeout(10)
 def test_a_steady_caps_swing_is_not_taken_for_a_new_pace():
     """Under a steady cap a wave runs one step within its quota and the next throttled: the
     speed stays the sustained one, every push of the window counted."""
@@ -136,10 +158,10 @@ def test_a_steady_caps_swing_is_not_taken_for_a_new_pace():
         b.record(SLOW, 32, 0.1)  # within the quota: 320 samples/s
         b.record(SLOW, 32, 0.25)  # the quota ran out: 128 samples/s
     sustained = b.speed[SLOW]
-    assert len(b.window[SLOW]) == WINDOW and 128 < sustained < 200
+    assert len(b.window[SLOW[0]]) == WINDOW and 128 < sustained < 200
     b.record(SLOW, 32, 0.1)
     b.record(SLOW, 32, 0.1)  # two lucky steps in a row: 1.75x the pace before, under CHANGE
-    assert len(b.window[SLOW]) == WINDOW  # nothing forgotten
+    assert len(b.window[SLOW[0]]) == WINDOW  # nothing forgotten
     assert b.speed[SLOW] < 1.3 * sustained  # far from the lucky steps' 320
 
 
