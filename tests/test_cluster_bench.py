@@ -160,3 +160,30 @@ def test_turn_waits_are_what_each_push_waited_for_the_last_of_its_turn(tmp_path)
     write(tmp_path / "worker-1-wave-1.jsonl", steps)
     # after the first SKIP_STEPS steps: 4 steps of 0.3 s in the 4 s their ends span, per wave
     assert turn_waits.compute_share(tmp_path) == pytest.approx({"w1": 2 * 4 * 0.3 / 4})
+
+
+def test_cap_response_counts_each_nodes_samples_in_the_seconds_after_a_cap_comes_and_goes(
+    tmp_path,
+):
+    """Two nodes' step records and one cap, on at t=10 and off at t=20, then another on at t=30
+    that lasts past the last step: samples in the 3 s after each, summed over the nodes; the
+    window that training did not outlast counts for nothing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cap_response
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for node, steps in (
+        (0, [(10.5, 40), (12.9, 40), (13.1, 40), (21.0, 32), (24.0, 32)]),
+        (1, [(11, 8)]),
+    ):
+        records = tmp_path / f"node{node}" / "records"
+        records.mkdir(parents=True)
+        lines = [{"kind": "step", "t": t, "samples": n} for t, n in steps]
+        lines.append({"kind": "eval", "t": 11.5, "score": 0.5})
+        (records / "worker-0-wave-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    caps = [[1, 10.0, 20.0, 30.0], [1, 30.0, float("inf"), 30.0]]
+    result = {"mode": "ticktock", "run_dir": str(tmp_path), "timeline": {"caps": caps}}
+    summary = cap_response.summarize([result, {"mode": "allreduce", "error": "x"}], 3.0)
+    assert summary == {"ticktock": {"on": [88], "off": [32]}}  # 40 + 8 + 40; 32; none after 30
+    assert "| ticktock | 88 (88-88) | 32 (32-32) | 1 / 1 |" in cap_response.table(summary, 3.0)
