@@ -191,8 +191,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"restarted shards lost {s['lost_updates']} update(s) (see the records)")
     if s.get("lost_pushes"):
         lines.append(
-            f"shards taken over lost {s['lost_pushes']} late push(es) folded into the step "
-            "their primary died with (see the workers' logs)"
+            f"shards taken over lost {s['lost_pushes']} push(es) the waves could not give again "
+            "(late ones folded into the step their primary died with; see the workers' logs)"
         )
     lines.append(_precision_line(s))
     if s["waves"]:

@@ -3,6 +3,7 @@ the clocks the primary hands on put the wave back at its folded push, not at its
 the wave, which keeps only its last push to give again, counts the folded one as lost and says
 so, instead of the take-over dropping it silently."""
 
+import json
 import signal
 import threading
 
@@ -119,3 +120,35 @@ def test_a_take_over_after_a_fold_counts_the_folded_push_as_lost(shard_daemons):
     finally:
         for c in clients.values():
             c.close()
+
+
+def test_lost_pushes_reach_the_summary_from_each_waves_records(tmp_path):
+    """Each wave's records carry its running count; the summary adds the waves' last counts."""
+    from wavelet.scripts.report import Progress, format_summary
+
+    records = tmp_path / "records"
+    records.mkdir()
+    for wave, counts in ((0, [0, 1, 1]), (1, [0, 0, 2])):
+        steps = [
+            {"kind": "step", "t": 100.0 + i, "samples": 8, "epoch": 0, "loss": 1.0, "clock": i}
+            | {"lost_pushes": n}
+            for i, n in enumerate(counts)
+        ]
+        text = "".join(json.dumps(r) + "\n" for r in steps)
+        (records / f"worker-0-wave-{wave}.jsonl").write_text(text)
+    progress = Progress(tmp_path, epochs=1)
+    progress.read()
+    assert sum(progress.lost_pushes.values()) == 3
+    summary = {
+        "run_dir": str(tmp_path),
+        "test_accuracy": 0.9,
+        "samples": 48,
+        "train_seconds": 2.0,
+        "samples_per_s": 24.0,
+        "precision": "fp32",
+        "wire_dtype": "fp32",
+        "wire_bytes": 0,
+        "waves": {},
+        "lost_pushes": 3,
+    }
+    assert "shards taken over lost 3 push(es)" in format_summary(summary)
