@@ -59,6 +59,9 @@ class SyncSum:
         self._weighted = False  # the sum holds sum(samples * gradient): batches differed
         self.opened_at = 0.0  # monotonic time of the clock's first push
         self.arrived: list[float] = []  # monotonic times of its on-time pushes
+        # each wave's earliest push in the open sum, by the clock it pushed (a late push folded
+        # here and the wave's own push of this clock may both be in it)
+        self.first_push: dict[WaveId, int] = {}
 
     def add(
         self,
@@ -67,10 +70,14 @@ class SyncSum:
         lr_scale: float,
         samples: int = 1,
         on_time: bool = True,
+        pushed: tuple[WaveId, int] | None = None,  # the wave, and the clock it pushed for
     ) -> None:
         now = time.monotonic()
         if not self.open:
             self.open, self.clock, self.opened_at, self.arrived = True, clock, now, []
+            self.first_push = {}
+        if pushed is not None:
+            self.first_push.setdefault(*pushed)
         if on_time:
             self.arrived.append(now)
         if grads is None:
@@ -143,9 +150,6 @@ class SyncGroups:
         # recent turns, from one of its updates to the next
         self.step_s: dict[Hashable, deque[float]] = {}
         self.closed_at: dict[Hashable, float] = {}
-        # each group's open sum: the clock of every wave's earliest push in it (a folded late
-        # push and the wave's own push of the open clock may both be there)
-        self.unapplied: dict[Hashable, dict[WaveId, int]] = {}
         self.late_pushes = 0
         self.dropped = 0
         self.closed_early = 0  # steps closed without a late wave (k of n, patience)
@@ -188,21 +192,20 @@ class SyncGroups:
         """Add a push to its group's sum; what became of it (accumulated, folded, dropped)."""
         s = self._sum(wave)
         if not self.is_late(wave, clock):
-            s.add(clock, grads, lr, samples)
-            self.unapplied.setdefault(self.group_of(wave), {}).setdefault(wave, clock)
+            s.add(clock, grads, lr, samples, pushed=(wave, clock))
             return "accumulated"
         self.late_pushes += 1
         if self.late == "drop":
             self.dropped += 1
             return "dropped"
-        self.unapplied.setdefault(self.group_of(wave), {}).setdefault(wave, clock)
         closed = self.closed_clock.get(self.group_of(wave), -1)
-        s.add(s.clock if s.open else closed + 1, grads, lr, samples, on_time=False)
+        s.add(s.clock if s.open else closed + 1, grads, lr, samples, False, (wave, clock))
         return "folded"
 
     def first_unapplied(self, wave: WaveId) -> int | None:
         """The clock of ``wave``'s earliest push still in its group's open sum (None: none)."""
-        return self.unapplied.get(self.group_of(wave), {}).get(wave)
+        s = self.sums.get(self.group_of(wave))
+        return s.first_push.get(wave) if s is not None and s.open else None
 
     def holds_back(self, wave: WaveId, clock: int) -> bool:
         """``wave`` may not read for ``clock`` yet: its group's update of an earlier clock is
@@ -262,7 +265,6 @@ class SyncGroups:
             elif group in self.closed_at:
                 turns.append(now - self.closed_at[group])
             self.closed_at[group] = now
-            self.unapplied.pop(group, None)
             mean = s.mean()
             if mean is not None:
                 out.append(mean)
