@@ -28,16 +28,19 @@ def windows(result: dict, seconds: float) -> dict[str, list[tuple[float, float]]
     return {"on": on, "off": off}
 
 
-def samples_in(result: dict, spans: list[tuple[float, float]]) -> list[int]:
-    """Samples trained by every node in each of ``spans`` that ended before training did (each
-    node's records, a joiner's too)."""
+def step_times(result: dict) -> list[tuple[float, int]]:
+    """(time, samples) of every step of every node of the run (a joiner's too)."""
     run_dir = Path(result["run_dir"])
-    times = [
+    return [
         (r["t"], r["samples"])
         for node in sorted(run_dir.glob("node*"))
         if node.is_dir()
         for r in step_records(node)
     ]
+
+
+def samples_in(times: list[tuple[float, int]], spans: list[tuple[float, float]]) -> list[int]:
+    """Samples of ``times`` in each of ``spans`` that ended before training did."""
     end = max((t for t, _ in times), default=0.0)
     return [sum(n for t, n in times if a <= t < b) for a, b in spans if b <= end]
 
@@ -48,10 +51,10 @@ def summarize(results: list[dict], seconds: float) -> dict[str, dict[str, list[i
     for r in results:
         if "error" in r:
             continue
-        spans = windows(r, seconds)
+        spans, times = windows(r, seconds), step_times(r)  # each run's records read once
         mode = out.setdefault(r["mode"], {"on": [], "off": []})
         for kind in ("on", "off"):
-            mode[kind] += samples_in(r, spans[kind])
+            mode[kind] += samples_in(times, spans[kind])
     return out
 
 

@@ -125,19 +125,21 @@ MODES = {
 }
 
 
+def job_config(config: str | None):
+    """The job a config file (None or "": the default job) describes."""
+    from wavelet.common.config import JobConfig
+    from wavelet.common.settings import from_dict, load_toml
+
+    return from_dict(JobConfig, load_toml(config) if config else {})
+
+
 def job_lr(config: str | None, extra: list[str]) -> float:
     """The job's learning rate: from ``--lr`` among the extra job flags, else the config file,
     else the default."""
-    from wavelet.common.config import JobConfig
-    from wavelet.common.settings import from_dict, load_toml
-
     if "--lr" in extra:
         return float(extra[extra.index("--lr") + 1])
-    return from_dict(JobConfig, load_toml(config) if config else {}).optimizer.lr
+    return job_config(config).optimizer.lr
 
 
-def job_batch_size(config: str) -> int:
-    from wavelet.common.config import JobConfig
-    from wavelet.common.settings import from_dict, load_toml
-
-    return (from_dict(JobConfig, load_toml(config)) if config else JobConfig()).batch_size
+def job_batch_size(config: str | None) -> int:
+    return job_config(config).batch_size
