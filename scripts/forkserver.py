@@ -7,7 +7,7 @@ job that is most of the CPU its processes use, and it delays every start and eve
 process that imports torch and Wavelet's daemons, then forks each daemon from itself, so a
 daemon starts with its imports done. A forked daemon is an ordinary process with its own pid,
 session, log file, environment and working directory; it runs the same ``cli.main`` and exits
-through the interpreter's normal shutdown, as it would have after exec.
+as it would have after exec (``common/process_exit.py``).
 
 What fork needs, and what this module ensures: the server never initialises CUDA (a forked child
 could not use it) and runs no torch operation, so no thread pool exists to be copied half-way;
@@ -34,6 +34,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+from wavelet.common.process_exit import exit_now
 from wavelet.scripts.forkserver_serve import (
     TEMP_LOG_PREFIX,
     become_server,
@@ -103,9 +104,9 @@ class ForkServer:
         ``start`` and ready that much sooner. Where the CUDA driver is loaded here already, a
         forked server's children could not use it: ``start`` instead.
 
-        The caller must be the process's entry point (``cli.main`` called by ``sys.exit``, no
-        handler above it): the server, and each daemon forked from it, leave by raising
-        SystemExit through the caller's frames to the interpreter's normal exit."""
+        The caller must be the process's entry point (``cli.main``, before it runs anything):
+        the server ends here (``exit_now``), and each daemon forked from it in its own
+        ``cli.main``, never returning to the caller's frames."""
         if _cuda_driver_loaded():
             return cls.start(log_path, env, wait=False)
         log_path = log_path or _temporary_log()
@@ -119,15 +120,18 @@ class ForkServer:
             ours.close()
             theirs.close()
             return cls.start(log_path, env, wait=False)
-        if pid == 0:  # the server, until the launcher hangs up; then out, as Python exits
+        if pid == 0:  # the server, until the launcher hangs up (or SIGTERM); then out
+            code = 0
             try:
                 ours.close()
                 become_server(theirs.fileno(), log_path, _server_env(env), launcher)
                 serve(theirs.fileno(), str(log_path))
+            except SystemExit as e:
+                code = e.code
             except Exception:  # never into a caller's handler: out, as Python itself would
                 traceback.print_exc()
-                sys.exit(1)
-            sys.exit(0)
+                code = 1
+            exit_now(code)
         theirs.close()
         return cls(_ChildProcess(pid), ours, log_path)
 

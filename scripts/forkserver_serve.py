@@ -161,7 +161,7 @@ def _send(sock: socket.socket, message: dict) -> None:
 def _become_daemon(request: dict) -> None:
     """In the forked child: the process ``python -m wavelet.scripts.cli ARGS`` would have been
     (own session, output to the log, stdin from /dev/null, the given environment and working
-    directory), then run the command and exit as Python exits."""
+    directory), then run the command and exit as ``cli.main`` ends a process."""
     os.setsid()
     die_with_parent()
     _redirect_stdio(request["log"], request.get("err"), request["append"])
@@ -208,4 +208,10 @@ def _retitle(command: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), sys.argv[2])
+    from wavelet.common.process_exit import exit_now
+
+    try:
+        serve(int(sys.argv[1]), sys.argv[2])
+    except SystemExit as e:  # SIGTERM
+        exit_now(e.code)
+    exit_now(0)

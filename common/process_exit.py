@@ -1,0 +1,38 @@
+"""How Wavelet's own processes end: what Python does on its way out that matters (other threads
+joined, ``atexit`` callbacks such as logging's flush and multiprocessing's reaping of its
+children, standard output and errors flushed), then ``os._exit``, without the interpreter's
+teardown of every module.
+
+That teardown frees torch's and torch._dynamo's thousands of objects one by one: 1.0 s of CPU
+after a script that imported them, 0.2 s this way (measured on the development machine). Every
+daemon, launcher and fork server pays it once, at the end of a job, and a job's last shard stops
+only after its workers have paid it. Nothing Wavelet writes depends on it: files are closed (or
+line-buffered) where they are written, shared memory is unlinked when a segment closes or is a
+memfd, and sockets close with the process as they would at the interpreter's exit."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from typing import NoReturn
+
+
+def exit_now(code: int | str | None) -> NoReturn:
+    """End this process with ``code`` (``sys.exit``'s meaning: None is 0, a string is printed
+    and means 1) as Python would, less the teardown of its modules."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    main = threading.main_thread()
+    for thread in threading.enumerate():  # what the interpreter waits for before atexit
+        if thread is not main and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed, or replaced by None
+            pass
+    os._exit(0 if code is None else int(code))

@@ -1,0 +1,41 @@
+"""``exit_now`` ends a process as Python would, less the teardown of its modules: other threads
+finish, atexit callbacks run, buffered output is written, and the exit status is sys.exit's."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import CHILD_ENV
+
+SCRIPT = """
+import atexit, logging, sys, threading, time
+from wavelet.common.process_exit import exit_now
+
+def late():
+    time.sleep(0.3)
+    print("thread done", flush=True)
+
+threading.Thread(target=late).start()  # not a daemon: the interpreter would wait for it
+atexit.register(lambda: print("atexit ran"))
+logging.basicConfig(stream=sys.stderr)
+logging.getLogger("x").warning("logged")
+sys.stdout.write("buffered, no newline")
+exit_now({code})
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code, status", [("3", 3), ("None", 0), ("'one line'", 1)])
+def test_exit_now_keeps_what_python_does_on_its_way_out(tmp_path, code, status):
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(code=code)],
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == status, done.stderr
+    assert done.stdout.index("thread done") < done.stdout.index("atexit ran")
+    assert "buffered, no newline" in done.stdout
+    assert "logged" in done.stderr
+    assert ("one line" in done.stderr) == (status == 1)
