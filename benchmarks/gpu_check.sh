@@ -22,15 +22,20 @@ PY=${PYTHON:-python3}
 step() { echo; echo "=== $* ($(date +%T))"; }
 
 step "1. what this machine lacks, from ./wheels (no network)"
-for module in zmq setproctitle pytest pytest_timeout xdist; do
-    if ! "$PY" -c "import $module" 2>/dev/null; then
-        package=${module//_/-}; [ "$module" = zmq ] && package=pyzmq
-        [ "$module" = xdist ] && package=pytest-xdist
-        "$PY" -m pip install --no-index --find-links wheels -q "$package" \
-            || echo "could not install $package from ./wheels (run benchmarks/gpu_wheels.sh)"
-    fi
+# one Python asks for all of them (a Python each cost a second apiece)
+MISSING=$("$PY" -c '
+import importlib.util
+for m in ("zmq", "setproctitle", "pytest", "pytest_timeout", "xdist"):
+    if importlib.util.find_spec(m) is None:
+        print(m)')
+for module in $MISSING; do
+    package=${module//_/-}; [ "$module" = zmq ] && package=pyzmq
+    [ "$module" = xdist ] && package=pytest-xdist
+    "$PY" -m pip install --no-index --find-links wheels -q "$package" \
+        || echo "could not install $package from ./wheels (run benchmarks/gpu_wheels.sh)"
 done
-if ! "$PY" -c "import wavelet.scripts.cli" 2>/dev/null; then
+if ! "$PY" -c "import importlib.util as u; assert u.find_spec('wavelet.scripts.cli')" 2>/dev/null
+then
     SHIM=$(mktemp -d)
     mkdir "$SHIM/wavelet" && ln -s "$PWD/scripts/package/__init__.py" "$SHIM/wavelet/__init__.py"
     for d in common ps worker scripts; do ln -s "$PWD/$d" "$SHIM/wavelet/$d"; done
