@@ -27,6 +27,12 @@ MODES = {
         2,
         ("--shards-per-node", "1"),
     ),
+    "ticktock-stay": Mode(
+        "the default with every shard kept on its node (--move-slow-shards false): a co-tenant "
+        "that comes and goes leaves the shards where they started",
+        2,
+        ("--shards-per-node", "1", "--move-slow-shards", "false"),
+    ),
     "ticktock-fp32": Mode(
         "the default with gradients and weights in fp32 on the wire (--wire-dtype fp32; the "
         "default between nodes is bf16)",
