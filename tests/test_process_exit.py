@@ -3,9 +3,12 @@ finish, atexit callbacks run, buffered output is written, and the exit status is
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import CHILD_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import atexit, logging, sys, threading, time
@@ -39,3 +42,19 @@ def test_exit_now_keeps_what_python_does_on_its_way_out(tmp_path, code, status):
     assert "buffered, no newline" in done.stdout
     assert "logged" in done.stderr
     assert ("one line" in done.stderr) == (status == 1)
+
+
+@pytest.mark.timeout(120)
+def test_the_exit_benchmark_runs():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_exit.py"), "--rounds", "1"]
+        + ["--no-dynamo"],
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["the interpreter's exit", "exit_now"]
+    assert "exit_now / interpreter, time to exit:" in done.stdout
