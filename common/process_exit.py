@@ -17,6 +17,8 @@ import atexit
 import os
 import sys
 import threading
+import traceback
+from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -37,3 +39,17 @@ def exit_now(code: int | str | None) -> NoReturn:
         except (OSError, ValueError, AttributeError):  # closed, or replaced by None
             pass
     os._exit(0 if code is None else int(code))
+
+
+def run_and_exit(body: Callable[[], int | str | None]) -> NoReturn:
+    """Run ``body`` as the whole of this process's work, then ``exit_now`` with its status: what
+    it returned, a SystemExit's code, or 1 after the traceback of an exception that escaped it,
+    as Python itself would end (KeyboardInterrupt goes on up, to Python's own handling)."""
+    try:
+        code = body()
+    except SystemExit as e:
+        code = e.code
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    exit_now(code)

@@ -16,7 +16,7 @@ import sys
 
 from wavelet.common.config import STALE_POLICIES
 from wavelet.common.daemon_config import LaunchConfig, PSConfig, RunConfig, WorkerConfig
-from wavelet.common.process_exit import exit_now
+from wavelet.common.process_exit import run_and_exit
 from wavelet.common.settings import (
     ConfigError,
 )
@@ -288,11 +288,7 @@ def main(argv: list[str] | None = None, entry_point: bool | None = None) -> int:
     interrupt_on_stop_signals()  # daemons replace it with their clean stop (on_signals)
     if not own_process:
         return _run(args)
-    try:
-        code = _run(args)
-    except SystemExit as e:
-        code = e.code
-    exit_now(code)  # without the teardown of torch's modules: a second of CPU per process
+    run_and_exit(lambda: _run(args))  # without the teardown of torch's modules (a second each)
 
 
 def _run(args: argparse.Namespace) -> int:

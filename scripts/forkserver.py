@@ -30,11 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 
-from wavelet.common.process_exit import exit_now
+from wavelet.common.process_exit import run_and_exit
 from wavelet.scripts.forkserver_serve import (
     TEMP_LOG_PREFIX,
     become_server,
@@ -105,7 +104,7 @@ class ForkServer:
         forked server's children could not use it: ``start`` instead.
 
         The caller must be the process's entry point (``cli.main``, before it runs anything):
-        the server ends here (``exit_now``), and each daemon forked from it in its own
+        the server ends here (``run_and_exit``), and each daemon forked from it in its own
         ``cli.main``, never returning to the caller's frames."""
         if _cuda_driver_loaded():
             return cls.start(log_path, env, wait=False)
@@ -121,17 +120,13 @@ class ForkServer:
             theirs.close()
             return cls.start(log_path, env, wait=False)
         if pid == 0:  # the server, until the launcher hangs up (or SIGTERM); then out
-            code = 0
-            try:
-                ours.close()
+            ours.close()
+
+            def be_the_server() -> None:
                 become_server(theirs.fileno(), log_path, _server_env(env), launcher)
                 serve(theirs.fileno(), str(log_path))
-            except SystemExit as e:
-                code = e.code
-            except Exception:  # never into a caller's handler: out, as Python itself would
-                traceback.print_exc()
-                code = 1
-            exit_now(code)
+
+            run_and_exit(be_the_server)  # never into a caller's handler
         theirs.close()
         return cls(_ChildProcess(pid), ours, log_path)
 

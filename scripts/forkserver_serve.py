@@ -208,10 +208,6 @@ def _retitle(command: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from wavelet.common.process_exit import exit_now
+    from wavelet.common.process_exit import run_and_exit
 
-    try:
-        serve(int(sys.argv[1]), sys.argv[2])
-    except SystemExit as e:  # SIGTERM
-        exit_now(e.code)
-    exit_now(0)
+    run_and_exit(lambda: serve(int(sys.argv[1]), sys.argv[2]))

@@ -58,3 +58,20 @@ def test_the_exit_benchmark_runs():
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["the interpreter's exit", "exit_now"]
     assert "exit_now / interpreter, time to exit:" in done.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "body, status, said",
+    [("lambda: 4", 4, ""), ("lambda: sys.exit(2)", 2, ""), ("lambda: 1 / 0", 1, "ZeroDivision")],
+)
+def test_run_and_exit_ends_with_the_bodys_status(body, status, said):
+    code = (
+        "import atexit, sys\nfrom wavelet.common.process_exit import run_and_exit\n"
+        f"atexit.register(lambda: print('atexit ran'))\nrun_and_exit({body})\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=CHILD_ENV, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == status, done.stderr
+    assert "atexit ran" in done.stdout and said in done.stderr
