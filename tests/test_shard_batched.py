@@ -1,0 +1,106 @@
+"""A shard's work over all of a push's tensors at once (ps/shard.py): the finite check finds the
+same tensor the one-by-one check would, and the served buffers are each buffer's own mean over
+the waves, as one buffer at a time gives them. And the benchmark that measures it runs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CHILD_ENV
+from helpers import ServiceWave, service_for
+
+from wavelet.ps.shard import first_non_finite
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tensors():
+    return [
+        torch.ones(5),
+        torch.arange(4),  # an integer buffer: never checked
+        torch.full((3,), 2.0, dtype=torch.bfloat16),
+        torch.zeros(0),
+        torch.ones(7, dtype=torch.float16),
+    ]
+
+
+@pytest.mark.parametrize("bad", [0, 2, 4])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_the_first_non_finite_tensor_is_found_whatever_its_dtype(bad, value):
+    tensors = _tensors()
+    assert first_non_finite(tensors) is None
+    tensors[bad][1] = value
+    assert first_non_finite(tensors) == bad
+    later = _tensors()
+    later[bad][0] = value
+    later[4][2] = float("nan")  # a second one further on: the first is named
+    assert first_non_finite(later) == bad
+
+
+def test_finite_values_whose_sum_overflows_are_finite():
+    big = torch.full((4,), 3e38)  # each finite, their sum is not
+    assert first_non_finite([big, torch.ones(2)]) is None
+    assert first_non_finite([]) is None
+
+
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8),
+        torch.nn.BatchNorm1d(8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 3),
+        torch.nn.BatchNorm1d(3),
+    )
+
+
+@pytest.mark.parametrize("samples", [(32, 32, 32), (6, 26, 13), (0, 26, 13)])
+def test_served_buffers_are_each_buffers_own_mean_over_the_waves(tmp_path, samples):
+    """Three waves upload their own BatchNorm statistics, with equal, unequal or untold samples:
+    the values a pull serves (all buffers at once) are those of one buffer at a time."""
+    service = service_for(tmp_path, shm=False)
+    try:
+        wave = ServiceWave(service, model=_bn_model())
+        wave.join()
+        shard = service.shard
+        buffers = [s for s in shard.specs if not s.trainable]
+        assert sum(s.desc.torch_dtype.is_floating_point for s in buffers) >= 2
+        assert sum(not s.desc.torch_dtype.is_floating_point for s in buffers) >= 2
+        g = torch.Generator().manual_seed(1)
+        for i, n in enumerate(samples):
+            values = [  # every chunk's, in plan order, as a push carries them
+                torch.randn(s.desc.numel, generator=g)
+                if s.desc.torch_dtype.is_floating_point
+                else torch.randint(0, 50, (s.desc.numel,), generator=g)
+                for s in shard.specs
+            ]
+            shard.store_buffers(("w", i), values, samples=n)
+        served = dict(zip(shard.keys, shard.values(), strict=True))
+        for s in buffers:
+            one = shard.buffer_value(s.key)
+            assert served[s.key].dtype == one.dtype and served[s.key].shape == one.shape
+            torch.testing.assert_close(served[s.key], one, rtol=0, atol=1e-6)
+        # a wave that uploaded only some buffers: each buffer's mean over those that have it
+        shard.wave_buffers[("w", 0)].pop(buffers[0].key)
+        served = dict(zip(shard.keys, shard.values(), strict=True))
+        for s in buffers:
+            torch.testing.assert_close(served[s.key], shard.buffer_value(s.key), rtol=0, atol=0)
+    finally:
+        service.close()
+
+
+def test_the_shard_cpu_benchmark_runs():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_shard_cpu.py")]
+        + ["--rounds", "1", "--pushes", "3", "--warmup", "1", "--width", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CHILD_ENV,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CPU ms per push in ShardService.handle" in out.stdout
+    for part in ("finite check", "buffers' mean"):
+        assert f"| {part} |" in out.stdout, out.stdout
