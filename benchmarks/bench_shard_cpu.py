@@ -13,8 +13,9 @@ BatchNorm statistics). Reported, medians (range) over ``--rounds`` rounds of ``-
 pushes: CPU milliseconds per push in ``ShardService.handle``, and two of its parts, each timed
 alone on shard 0 after every wave pushed once: checking that a push is finite, and the waves'
 mean of the buffers a reply serves, each done tensor by tensor (how the shard did it before)
-and over all tensors of a dtype at once (how it does now), with the ratio. To compare whole
-pushes before and after a change, run the script in both checkouts, alternating.
+and over all tensors of a dtype at once (how it does now), with the ratio. Whole pushes before
+and after a change: run this script with each checkout's package first on ``PYTHONPATH``
+(as benchmarks/side_by_side.sh does), alternating, with ``--whole-pushes-only``.
 """
 
 from __future__ import annotations
@@ -156,6 +157,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--pushes", type=int, default=100, help="pushes per round")
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument(
+        "--whole-pushes-only",
+        action="store_true",
+        help="leave the parts out (a checkout from before they were batched has not both ways)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as a shard runs (one core per node)
     model = build_model("resnet18", (3, 32, 32), 10, 0, width=args.width)
@@ -168,6 +174,8 @@ def main() -> None:
         f"medians (range) over {args.rounds} rounds of {args.pushes}"
     )
     print(f"\nCPU ms per push in ShardService.handle: {_summary(handle_ms(args, plan, tensors))}")
+    if args.whole_pushes_only:
+        return
     print("\n| part of a push | tensor by tensor, ms | all at once, ms | ratio |")
     print("|---|---:|---:|---:|")
     for name, (each, at_once) in parts_ms(args, plan, tensors).items():
