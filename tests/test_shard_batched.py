@@ -42,6 +42,10 @@ def test_the_first_non_finite_tensor_is_found_whatever_its_dtype(bad, value):
 def test_finite_values_whose_sum_overflows_are_finite():
     big = torch.full((4,), 3e38)  # each finite, their sum is not
     assert first_non_finite([big, torch.ones(2)]) is None
+    half = torch.full((4,), 60000.0, dtype=torch.float16)  # beyond float16's range summed
+    assert first_non_finite([torch.ones(2), half]) is None
+    half[3] = float("inf")
+    assert first_non_finite([torch.ones(2), half]) == 1
     assert first_non_finite([]) is None
 
 
