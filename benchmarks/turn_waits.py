@@ -1,7 +1,10 @@
 """Where a synchronous turn's time goes, from the records of a run of ``benchmarks/cluster.py``
 (``RUN/merged/records``): per node, the share of the wall clock its waves spent in forward or
-backward, and how long its push waited per turn for the last push of the same turn (a group's
-pushes for one clock, as each shard received them; every shard's turns count).
+backward, how long its push waited per turn for the last push of the same turn (a group's
+pushes for one clock, as each shard received them; every shard's turns count), and the
+hand-over: from the push that made the weights a step read (the last of its turn; the latest
+over the shards) to that step's forward, which is the update, the weights' way back and the
+wave's start, none of it hidden under compute in wave turns.
 
     python benchmarks/turn_waits.py /tmp/slow/1gbit/ticktock/seed0 [more run folders]
 
@@ -39,6 +42,33 @@ def turn_waits(records: Path) -> dict[str, list[float]]:
     return dict(waits)
 
 
+def _shard_of(log: Path) -> int:
+    return int(re.match(r"ps-(\d+)-", log.name).group(1))  # a standby's log: its shard's
+
+
+def hand_overs(records: Path) -> dict[str, list[float]]:
+    """Per worker (``w<rank>``), from the push that made the version each step read (on every
+    shard; the latest of them) to the step's forward, in seconds. A push at a shard's version v
+    is in the update that makes v + 1 (asynchronous: it is that update; synchronous: the last
+    push of the turn closes it), so the version v + 1 was made by the latest push at v."""
+    made: dict[tuple[int, int], float] = {}  # (shard, version) -> when the push that made it came
+    for log in sorted(records.glob("ps-*-pushes.jsonl")):
+        shard = _shard_of(log)
+        for r in read_records(log):
+            if "version" in r and "t" in r:
+                key = (shard, r["version"] + 1)
+                made[key] = max(made.get(key, r["t"]), r["t"])
+    out: dict[str, list[float]] = defaultdict(list)
+    for log in sorted(records.glob("worker-*-wave-*.jsonl")):
+        rank = re.match(r"worker-(\d+)-wave-", log.name).group(1)
+        steps = [r for r in read_records(log) if r.get("kind") == "step"][SKIP_STEPS:]
+        for r in steps:
+            times = [made.get((i, v)) for i, v in enumerate(r.get("versions_read", []))]
+            if times and None not in times and "t_forward_start" in r:
+                out[f"w{rank}"].append(r["t_forward_start"] - max(times))
+    return dict(out)
+
+
 def compute_share(records: Path) -> dict[str, float]:
     """Per worker (``w<rank>``), its waves' forward and backward seconds over the wall clock
     their steps spanned (after each wave's first ``SKIP_STEPS``), summed over its waves."""
@@ -58,13 +88,17 @@ def table(run: Path) -> str:
     records = run / "merged" / "records"
     if not records.is_dir():
         raise SystemExit(f"{records} is missing: give a run folder of benchmarks/cluster.py")
-    waits, share = turn_waits(records), compute_share(records)
-    lines = [f"{run}", "| worker | compute share | wait per turn, ms (mean) | turns |"]
-    lines.append("|---|---:|---:|---:|")
+    waits, share, hand = turn_waits(records), compute_share(records), hand_overs(records)
+    lines = [
+        f"{run}",
+        "| worker | compute share | wait per turn, ms (mean) | turns | hand-over, ms (median) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for worker in sorted(set(waits) | set(share)):
-        w = waits.get(worker, [])
+        w, h = waits.get(worker, []), hand.get(worker, [])
         mean = f"{1000 * statistics.mean(w):.0f}" if w else "-"
-        lines.append(f"| {worker} | {share.get(worker, 0.0):.2f} | {mean} | {len(w)} |")
+        median = f"{1000 * statistics.median(h):.1f}" if h else "-"
+        lines.append(f"| {worker} | {share.get(worker, 0.0):.2f} | {mean} | {len(w)} | {median} |")
     return "\n".join(lines)
 
 

@@ -88,6 +88,7 @@ def test_two_emulated_nodes_run_every_mode_and_report(tmp_path):
     rows = [line.split("|") for line in waits.stdout.splitlines() if re.match(r"\| w\d", line)]
     assert [r[1].strip() for r in rows] == ["w0", "w1"], waits.stdout
     assert all(int(r[4]) > 0 for r in rows), waits.stdout  # turns both nodes pushed
+    assert all(float(r[5]) > 0 for r in rows), waits.stdout  # hand-overs from real records
 
 
 def test_modes_that_average_more_samples_scale_the_jobs_learning_rate():
@@ -160,6 +161,38 @@ def test_turn_waits_are_what_each_push_waited_for_the_last_of_its_turn(tmp_path)
     write(tmp_path / "worker-1-wave-1.jsonl", steps)
     # after the first SKIP_STEPS steps: 4 steps of 0.3 s in the 4 s their ends span, per wave
     assert turn_waits.compute_share(tmp_path) == pytest.approx({"w1": 2 * 4 * 0.3 / 4})
+
+
+def test_a_hand_over_runs_from_the_push_that_made_the_weights_to_the_forward_that_read_them(
+    tmp_path,
+):
+    """Two shards at version 4: w0 and w1 push a turn to both (the later push, on shard 1 by a
+    standby that took it over, at 10.2); the step that read version 5 of both started its
+    forward at 10.25: 0.05 s. A step that read a version no push in the records made (the
+    initial weights, or one of the first SKIP_STEPS) counts for nothing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import turn_waits
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def write(path: Path, records: list[dict]) -> None:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def push(worker, t, version=4):
+        return {"worker": worker, "wave": 0, "clock": 3, "t": t, "version": version}
+
+    write(tmp_path / "ps-0-pushes.jsonl", [push("w0", 10.0), push("w1", 10.1)])
+    write(tmp_path / "ps-1-takeover-pushes.jsonl", [push("w0", 10.05), push("w1", 10.2)])
+    skipped = [
+        {"kind": "step", "versions_read": [5, 5], "t_forward_start": 99.0}
+    ] * turn_waits.SKIP_STEPS
+    steps = [
+        {"kind": "step", "versions_read": [5, 5], "t_forward_start": 10.25},
+        {"kind": "step", "versions_read": [0, 5], "t_forward_start": 10.3},  # 0: no push made it
+    ]
+    write(tmp_path / "worker-1-wave-1.jsonl", [{"kind": "start", "t": 0.0}, *skipped, *steps])
+    assert turn_waits.hand_overs(tmp_path) == {"w1": pytest.approx([0.05])}
 
 
 def test_cap_response_counts_each_nodes_samples_in_the_seconds_after_a_cap_comes_and_goes(
