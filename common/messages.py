@@ -230,6 +230,7 @@ REQUEST_BODIES: dict[str, type[Body]] = {
     Op.SEED: Seed,
     Op.REPLICATE: ReplicaUpdate,
     Op.DESCRIBE: DescribeRequest,
+    Op.READY: EmptyRequest,
 }
 
 
@@ -350,6 +351,7 @@ REPLY_BODIES: dict[str, type[Body]] = {
     Op.SEED: Ack,
     Op.REPLICATE: Ack,
     Op.DESCRIBE: JobDescription,
+    Op.READY: Ack,
 }
 
 
