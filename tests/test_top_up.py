@@ -88,8 +88,8 @@ def test_ready_is_answered_at_once_outside_wave_turns_and_refused_to_strangers(t
 
 
 def test_a_topped_up_step_is_one_process_on_all_its_samples():
-    """A batch of 12, then extra batches of 5 until the third: the gradient is the mean over
-    all 27 samples, as one process's backward on them gives it."""
+    """A batch of 12, then extra batches of 5 until the group is ready after the second: the
+    gradient is the mean over all 22 samples, as one process's backward on them gives it."""
     torch.manual_seed(0)
     x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
     part = DataPart(x, y, 0)
@@ -106,9 +106,9 @@ def test_a_topped_up_step_is_one_process_on_all_its_samples():
     base = (x[:12], y[:12])
     step(model, base)[0].backward()
     calls = []
-    extra, _ = top_up.accumulate_until(model, 12, lambda: len(calls.append(1) or calls) > 3)
-    assert extra == 15  # three extra batches of 5, then done() said stop
-    drawn = list(part.batches(5, 0, top_up.seed))[:3]  # the top-ups' own order over the part
+    extra, _ = top_up.accumulate_until(model, 12, lambda: len(calls.append(1) or calls) > 2)
+    assert extra == 10  # two extra batches of 5, then the group was ready
+    drawn = list(part.batches(5, 0, top_up.seed))[:2]  # the top-ups' own order over the part
     all_x = torch.cat([base[0], *(b[0] for b in drawn)])
     all_y = torch.cat([base[1], *(b[1] for b in drawn)])
     step(reference, (all_x, all_y))[0].backward()
@@ -117,7 +117,7 @@ def test_a_topped_up_step_is_one_process_on_all_its_samples():
     # never more than the step's own batch: a group that never gets ready costs one batch
     model.zero_grad()
     step(model, base)[0].backward()
-    assert top_up.accumulate_until(model, 12, lambda: False)[0] == 15  # 3 batches reach 12
+    assert top_up.accumulate_until(model, 12, lambda: False)[0] == 12  # 5 + 5 + the 2 left
 
 
 def test_a_job_with_top_ups_pushes_what_its_waves_computed(tmp_path):

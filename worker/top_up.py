@@ -31,6 +31,10 @@ from wavelet.common.batches import batch_samples, to_device
 from wavelet.common.protocol import Op, decode_reply
 
 READY_WAIT_S = 0.003  # how long a wave first waits for shard 0's answer before it tops up
+# an extra batch's compute, when its size follows the wave's speed (top_up_samples 0): the
+# group's last wave may finish during one, and then every wave waits for its end
+TOP_UP_S = 0.015
+MIN_TOP_UP = 2  # samples: BatchNorm needs more than one
 
 
 class TopUp:
@@ -38,17 +42,29 @@ class TopUp:
 
     def __init__(self, part, job, step, compute, device: torch.device, seed: int, stop):
         self.part, self.step, self.compute, self.device = part, step, compute, device
-        self.size = job.top_up_samples or max(1, job.batch_size // 4)
+        self.fixed = job.top_up_samples  # 0: follow the wave's speed (TOP_UP_S)
+        self.job_batch = job.batch_size
+        self.size = self.fixed or MIN_TOP_UP
+        self._room = 0  # samples the step may still top up: the last extra batch is cut to it
         self.seed = seed + 104729  # its own order over the wave's part
         self.stop = stop
         self._epoch = -1
         self._batches: Iterator[Any] | None = None
 
-    def after_backward(self, model, client, clock: int, base: int, ends: float | None):
+    def after_backward(
+        self, model, client, clock: int, base: int, ends: float | None, sample_s: float
+    ):
         """Top up the gradients ``model`` holds (the mean over ``base`` samples) until shard 0
         says the group is ready, the step has topped up ``base`` samples, the budget (``ends``,
         monotonic) runs out or the wave stops; then the gradients are the mean over all of
-        them. Returns (samples added, seconds spent computing them)."""
+        them. ``sample_s``: the step's compute per sample, which sizes the extra batches.
+        A wave whose balanced batch is below the job's is the slower kind, which the others
+        wait for: it tops up nothing (its extra batch would hold the whole group). Returns
+        (samples added, seconds spent computing them)."""
+        if base < self.job_batch:
+            return 0, 0.0
+        if not self.fixed:
+            self.size = max(MIN_TOP_UP, min(base, round(TOP_UP_S / max(sample_s, 1e-6))))
         rid = _send_ready(client, clock)
         if rid is None or _ready_answered(client, rid, READY_WAIT_S):
             return 0, 0.0
@@ -65,6 +81,7 @@ class TopUp:
         over all of them; (samples added, seconds spent)."""
         extra, spent = 0, 0.0
         while extra < base and not done():
+            self._room = base - extra
             batch = self._next()
             began = time.perf_counter()
             self.compute(self._accumulate, model, batch, base)
@@ -88,7 +105,8 @@ class TopUp:
         while True:
             if self._batches is None:
                 self._epoch += 1
-                self._batches = iter(self.part.batches(self.size, self._epoch, self.seed))
+                sizes = lambda: min(self.size, self._room)  # noqa: E731 (read at each draw)
+                self._batches = iter(self.part.batches(self.size, self._epoch, self.seed, sizes))
             try:
                 return to_device(next(self._batches), self.device, non_blocking=True)
             except StopIteration:

@@ -319,8 +319,9 @@ class Wave:
         backward_end = time.perf_counter()
         top_up_samples, top_up_s = 0, 0.0
         if self.top_up is not None:  # computing on while the rest of the turn's group does
+            base = client.step_samples
             top_up_samples, top_up_s = self.top_up.after_backward(
-                model, client, clock, client.step_samples, client.budget_ends
+                model, client, clock, base, client.budget_ends, (forward_s + backward_run_s) / base
             )
             client.step_samples += top_up_samples
         # told with the next push (this one may have left during backward), with its batch:
