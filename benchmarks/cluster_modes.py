@@ -39,12 +39,6 @@ MODES = {
         2,
         ("--shards-per-node", "1", "--wire-dtype", "fp32"),
     ),
-    "ticktock-topup": Mode(
-        "the default with top-ups (--top-up true): a wave done with its batch before its "
-        "turn's group computes on until the group is done, and pushes that with its step",
-        2,
-        ("--shards-per-node", "1", "--top-up", "true"),
-    ),
     "ticktock-patient": Mode(
         "the default with a group's update going ahead without a wave later than a quarter of "
         "its usual turn (--turn-patience 0.25), its push folded into the next",

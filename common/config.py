@@ -236,17 +236,6 @@ class JobConfig:
         "(a node slowed all at once, before balanced batches follow); its push is folded into "
         "the group's next update (0: always wait for every wave)",
     )
-    top_up: bool = setting(
-        False,
-        help="wave turns: a wave done with its batch before the rest of its group goes on "
-        "computing samples on the same weights until they are done too, and pushes them with "
-        "its step (a fast node works through the wait for a slow one; off by default)",
-    )
-    top_up_samples: int = setting(
-        0,
-        help="top_up: samples per extra batch (0: a quarter of the batch size); a step tops "
-        "up at most its own batch's samples",
-    )
     update_lr: str = setting(
         "full",
         help="full: every update takes the optimizer's lr; by-samples: lr times the share of "
@@ -407,17 +396,6 @@ class JobConfig:
                 f"turn_patience = {self.turn_patience} is for wave turns and wave groups (how "
                 f"long a group's update waits for a late wave), not updates = {self.updates}: "
                 "drop it, or use --updates wave-turns"
-            )
-        non_negative("top_up_samples", self.top_up_samples)
-        if self.top_up and self.updates not in ("wave-turns", "auto"):
-            raise ConfigError(
-                f"top_up is for wave turns (a wave done early computes on until its group is "
-                f"done), not updates = {self.updates}: drop it, or use --updates wave-turns"
-            )
-        if self.top_up and self.precision == "fp16":
-            raise ConfigError(
-                "top_up does not work with precision = fp16 (its loss scale checks each "
-                "backward alone): drop --top-up, or use --precision bf16"
             )
         if self.sync_quorum and self.updates != "k-of-n":
             raise ConfigError(

@@ -230,7 +230,6 @@ REQUEST_BODIES: dict[str, type[Body]] = {
     Op.SEED: Seed,
     Op.REPLICATE: ReplicaUpdate,
     Op.DESCRIBE: DescribeRequest,
-    Op.READY: EmptyRequest,
 }
 
 
@@ -351,7 +350,6 @@ REPLY_BODIES: dict[str, type[Body]] = {
     Op.SEED: Ack,
     Op.REPLICATE: Ack,
     Op.DESCRIBE: JobDescription,
-    Op.READY: Ack,
 }
 
 

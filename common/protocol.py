@@ -21,9 +21,8 @@ import zmq
 # chunks they carry no gradient for (PushRequest.absent), init the parameters' dimensions;
 # 5: standbys (seed, replicate; moved and not_primary errors; RegisterReply.standby);
 # 6: attach offers the wave's memory (AttachRequest.memory_*), pushes in parts (more);
-# 7: a push says which batch its compute_s measured (PushRequest.compute_samples);
-# 8: ready (a wave under wave turns finished its batch and tops up until its group has)
-PROTOCOL_VERSION = 8
+# 7: a push says which batch its compute_s measured (PushRequest.compute_samples)
+PROTOCOL_VERSION = 7
 
 # A header is small; anything bigger is a malformed or hostile message.
 MAX_HEADER_BYTES = 1 << 20
@@ -46,7 +45,6 @@ class Op(enum.StrEnum):
     SEED = "seed"  # a primary's whole state, to its standby (ps/replication.py)
     REPLICATE = "replicate"  # one update a primary applied, to its standby
     DESCRIBE = "describe"  # a joining worker asks for the job, the shards and a worker slot
-    READY = "ready"  # wave turns: this wave's batch is done; answered once its group's all are
     REPLY = "reply"
     ERROR = "error"
 

@@ -54,7 +54,6 @@ from wavelet.ps.owners import Peer
 from wavelet.ps.parked import ParkedPulls
 from wavelet.ps.push_parts import PushParts
 from wavelet.ps.pushes import PushesAndReads
-from wavelet.ps.ready import ReadyBoard, ReadyWait
 from wavelet.ps.shard import Shard
 from wavelet.ps.staleness import WaveId
 from wavelet.ps.standby import StandbyRole
@@ -88,7 +87,6 @@ class ShardService(PushesAndReads):
         )
         self.updates = Updates(job, config.expect_waves, self.shard, self.clocks)
         self.parked = ParkedPulls(config.max_parked)
-        self.ready = ReadyBoard(self.updates.sync.group_of)  # wave turns' top-ups
         self.rejected = 0
         self.rejected_by_code: Counter[str] = Counter()
         self.stopping = False
@@ -206,11 +204,6 @@ class ShardService(PushesAndReads):
         try:
             self.updates.complete()
             out = self.parked.release(self._may_read, self._serve_parked)
-            ack = Ack(self.shard.version)
-            out += [
-                Outgoing(w.identity, reply_header(w.request_id, ack))
-                for w in self.ready.release(self.clocks)
-            ]
         except Exception:
             log.error("internal error releasing parked pulls:\n%s", traceback.format_exc())
             out = self.parked.answer(
@@ -226,7 +219,6 @@ class ShardService(PushesAndReads):
             self.checkpoints.close()
         finally:
             out = self.parked.answer(lambda p: True, ErrorCode.SHUTTING_DOWN, "shutting down")
-            out += _ready_errors(self.ready.drain(), ErrorCode.SHUTTING_DOWN, "shutting down")
             self.datapath.close()
         return out
 
@@ -289,17 +281,6 @@ class ShardService(PushesAndReads):
         return self._pull_or_park(
             peer, h.request_id, wave, clock, action, shm=body.shm, part_bytes=body.part_bytes
         )
-
-    def rpc_ready(self, peer: Peer, h: Header, body, tensors) -> Outgoing | None:
-        """A wave under wave turns finished its batch of ``h.clock`` and tops up meanwhile:
-        answered once every live wave of its group has too, or pushed (ps/ready.py), by the
-        housekeeping after this request or a later one; at once under any other rule."""
-        wave = self.members.registered(h, peer)
-        if self.updates.rule != "wave-turns":
-            return self._reply(peer, h, Ack(self.shard.version))
-        self.ready.declare(wave, h.clock)
-        self.ready.park(ReadyWait(peer.identity, h.request_id, wave, h.clock))
-        return None
 
     def rpc_leave(self, peer: Peer, h: Header, body, tensors) -> list[Outgoing]:
         wave = self.members.registered(h, peer)
@@ -370,8 +351,7 @@ class ShardService(PushesAndReads):
         self.updates.forget(wave)
         self.shard.forget_wave(wave)
         self.datapath.detach(wave)
-        out = _ready_errors(self.ready.forget(wave), ErrorCode.NOT_REGISTERED, why)
-        return out + self.parked.answer(lambda p: p.wave == wave, ErrorCode.NOT_REGISTERED, why)
+        return self.parked.answer(lambda p: p.wave == wave, ErrorCode.NOT_REGISTERED, why)
 
     def _reply(self, peer: Peer, h: Header, body) -> Outgoing:
         return Outgoing(peer.identity, reply_header(h.request_id, body))
@@ -388,7 +368,3 @@ class ShardService(PushesAndReads):
         self.members.count_rejection(header, code)
         log.warning("rejected request %d: [%s] %s", request_id, code, message)
         return Outgoing(peer, error_header(request_id, code, message))
-
-
-def _ready_errors(waits: list[ReadyWait], code: ErrorCode, message: str) -> list[Outgoing]:
-    return [Outgoing(w.identity, error_header(w.request_id, code, message)) for w in waits]

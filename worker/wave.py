@@ -41,7 +41,6 @@ from wavelet.worker.memory import SavedActivationMeter, device_memory
 from wavelet.worker.pull_hooks import PullDuringForward
 from wavelet.worker.push_hooks import PushDuringBackward
 from wavelet.worker.rounds import BudgetSpent, PendingPull, PullResult, StopRequested
-from wavelet.worker.top_up import TopUp
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +139,6 @@ class Wave:
                 f"batch size {job.batch_size} exceeds this wave's "
                 f"{len(part)} samples; lower --batch-size"
             )
-        self.top_up = None  # wave turns' top-ups (worker/top_up.py)
-        if job.top_up and job.updates == "wave-turns":
-            seed = job.seed + 7919 * ident.global_index
-            self.top_up = TopUp(part, job, self.step, self.compute, self.device, seed, self.stop)
-        elif job.top_up:
-            log.info("wave %s: no top-ups under updates = %s", ident.name, job.updates)
         meter = SavedActivationMeter(model.parameters())
         plan = ShardingPlan.for_job(model, job)
         tensors = {name: t for name, t, _ in model_tensors(model)}
@@ -167,9 +160,8 @@ class Wave:
             on_move=self.on_move,
         )
         self.pusher = None
-        # fp16's skip, clipping's norm and top-ups need every gradient: those push after backward
-        early = not (self.loss_scale.enabled or job.max_grad_norm or self.top_up)
-        if job.push_during_backward and early:
+        # fp16's skip and clipping's norm need every gradient: those push after backward
+        if job.push_during_backward and not self.loss_scale.enabled and not job.max_grad_norm:
             self.pusher = PushDuringBackward(dict(model.named_parameters()), client.chunks)
         self.puller = None
         if job.pull_during_forward:
@@ -317,16 +309,9 @@ class Wave:
             if self.pusher is not None:
                 self.pusher.disarm()
         backward_end = time.perf_counter()
-        top_up_samples, top_up_s = 0, 0.0
-        if self.top_up is not None:  # computing on while the rest of the turn's group does
-            base = client.step_samples
-            top_up_samples, top_up_s = self.top_up.after_backward(
-                model, client, clock, base, client.budget_ends, (forward_s + backward_run_s) / base
-            )
-            client.step_samples += top_up_samples
         # told with the next push (this one may have left during backward), with its batch:
         # balanced batches change size from one step to the next
-        client.step_compute_s = forward_s + backward_run_s + top_up_s
+        client.step_compute_s = forward_s + backward_run_s
         client.step_compute_samples = client.step_samples
         if self.ident.global_index == self.job.slow_wave:  # a straggler, on request
             time.sleep((self.job.slow_factor - 1.0) * (backward_end - t0))
@@ -356,12 +341,10 @@ class Wave:
         rec.update(
             t=time.time(),
             loss=float(loss.detach()),
-            samples=client.step_samples,  # the batch and its top-ups
-            top_up_samples=top_up_samples,
-            top_up_s=top_up_s,
+            samples=batch_samples(batch),
             baton_wait_s=baton_wait,
             forward_s=forward_s,
-            backward_s=backward_run_s + (t2 - backward_end) - top_up_s,
+            backward_s=backward_run_s + (t2 - backward_end),
             # waiting for the thread that computes for every wave (worker/compute.py)
             compute_wait_s=compute_wait,
             push_pull_s=t3 - t2,
