@@ -2,6 +2,7 @@
 removes, a shaped link), a PS mode and all-reduce, a few seconds each, one report. Needs root and
 `ip`/`tc`; skipped otherwise. No traffic leaves the namespaces."""
 
+import importlib
 import json
 import os
 import re
@@ -91,12 +92,21 @@ def test_two_emulated_nodes_run_every_mode_and_report(tmp_path):
     assert all(float(r[5]) > 0 for r in rows), waits.stdout  # hand-overs from real records
 
 
-def test_modes_that_average_more_samples_scale_the_jobs_learning_rate():
+def _benchmark(name: str):
+    """A module of benchmarks/ (not a package), imported by name."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import cluster_modes as cluster
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _write(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_modes_that_average_more_samples_scale_the_jobs_learning_rate():
+    cluster = _benchmark("cluster_modes")
     config = str(ROOT / "configs" / "narrow_resnet.toml")
     assert cluster.job_lr(config, []) == 0.05  # the config file's
     assert cluster.job_lr(config, ["--staleness", "0", "--lr", "0.3"]) == 0.3  # the flag wins
@@ -107,11 +117,7 @@ def test_modes_that_average_more_samples_scale_the_jobs_learning_rate():
 
 
 def test_a_seed_that_missed_the_target_counts_as_later_than_those_that_reached_it():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import cluster_report
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    cluster_report = _benchmark("cluster_report")
 
     def runs(*times):
         return [{"time_to_target_s": t} for t in times]
@@ -127,14 +133,7 @@ def test_turn_waits_are_what_each_push_waited_for_the_last_of_its_turn(tmp_path)
     """Two workers' pushes to two shards: w1 is 0.05 s later in one turn, w0 0.02 s in the
     other; a folded push and a turn one worker missed count for nothing. Each worker's compute
     share is its waves' forward and backward seconds over the span of their steps."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import turn_waits
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-    def write(path: Path, records: list[dict]) -> None:
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    turn_waits = _benchmark("turn_waits")
 
     def push(worker, clock, t, action="accumulated"):
         return {"worker": worker, "wave": 0, "clock": clock, "t": t, "action": action}
@@ -147,8 +146,8 @@ def test_turn_waits_are_what_each_push_waited_for_the_last_of_its_turn(tmp_path)
         push("w1", 1, 11.5, "folded"),  # a late push into a later step: no turn of its own
         push("w0", 2, 12.0),  # w1 never pushed clock 2 here
     ]
-    write(tmp_path / "ps-0-pushes.jsonl", pushes)
-    write(tmp_path / "ps-1-takeover-pushes.jsonl", pushes[:2])
+    _write(tmp_path / "ps-0-pushes.jsonl", pushes)
+    _write(tmp_path / "ps-1-takeover-pushes.jsonl", pushes[:2])
     waits = turn_waits.turn_waits(tmp_path)
     assert sorted(waits) == ["w0", "w1"]
     assert waits["w0"] == pytest.approx([0.05, 0.0, 0.05])
@@ -157,8 +156,8 @@ def test_turn_waits_are_what_each_push_waited_for_the_last_of_its_turn(tmp_path)
     steps = [
         {"kind": "step", "t": float(t), "forward_s": 0.1, "backward_s": 0.2} for t in range(10)
     ]
-    write(tmp_path / "worker-1-wave-0.jsonl", [{"kind": "start", "t": 0.0}, *steps])
-    write(tmp_path / "worker-1-wave-1.jsonl", steps)
+    _write(tmp_path / "worker-1-wave-0.jsonl", [{"kind": "start", "t": 0.0}, *steps])
+    _write(tmp_path / "worker-1-wave-1.jsonl", steps)
     # after the first SKIP_STEPS steps: 4 steps of 0.3 s in the 4 s their ends span, per wave
     assert turn_waits.compute_share(tmp_path) == pytest.approx({"w1": 2 * 4 * 0.3 / 4})
 
@@ -170,20 +169,13 @@ def test_a_hand_over_runs_from_the_push_that_made_the_weights_to_the_forward_tha
     standby that took it over, at 10.2); the step that read version 5 of both started its
     forward at 10.25: 0.05 s. A step that read a version no push in the records made (the
     initial weights, or one of the first SKIP_STEPS) counts for nothing."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import turn_waits
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-    def write(path: Path, records: list[dict]) -> None:
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    turn_waits = _benchmark("turn_waits")
 
     def push(worker, t, version=4):
         return {"worker": worker, "wave": 0, "clock": 3, "t": t, "version": version}
 
-    write(tmp_path / "ps-0-pushes.jsonl", [push("w0", 10.0), push("w1", 10.1)])
-    write(tmp_path / "ps-1-takeover-pushes.jsonl", [push("w0", 10.05), push("w1", 10.2)])
+    _write(tmp_path / "ps-0-pushes.jsonl", [push("w0", 10.0), push("w1", 10.1)])
+    _write(tmp_path / "ps-1-takeover-pushes.jsonl", [push("w0", 10.05), push("w1", 10.2)])
     skipped = [
         {"kind": "step", "versions_read": [5, 5], "t_forward_start": 99.0}
     ] * turn_waits.SKIP_STEPS
@@ -191,7 +183,7 @@ def test_a_hand_over_runs_from_the_push_that_made_the_weights_to_the_forward_tha
         {"kind": "step", "versions_read": [5, 5], "t_forward_start": 10.25},
         {"kind": "step", "versions_read": [0, 5], "t_forward_start": 10.3},  # 0: no push made it
     ]
-    write(tmp_path / "worker-1-wave-1.jsonl", [{"kind": "start", "t": 0.0}, *skipped, *steps])
+    _write(tmp_path / "worker-1-wave-1.jsonl", [{"kind": "start", "t": 0.0}, *skipped, *steps])
     assert turn_waits.hand_overs(tmp_path) == {"w1": pytest.approx([0.05])}
 
 
@@ -201,11 +193,7 @@ def test_cap_response_counts_each_nodes_samples_in_the_seconds_after_a_cap_comes
     """Two nodes' step records and one cap, on at t=10 and off at t=20, then another on at t=30
     that lasts past the last step: samples in the 3 s after each, summed over the nodes; the
     window that training did not outlast counts for nothing."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import cap_response
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    cap_response = _benchmark("cap_response")
     for node, steps in (
         (0, [(10.5, 40), (12.9, 40), (13.1, 40), (21.0, 32), (24.0, 32)]),
         (1, [(11, 8)]),
