@@ -1,14 +1,17 @@
 """The one wire protocol between waves and parameter-server shards.
 
-A message is one ZeroMQ multipart message: frame 0 is a small msgpack header, frames 1..n are the
-raw bytes of the tensors the header describes, in order. Tensor bytes never go inside msgpack and
-are sent with ``copy=False``; on receipt they are wrapped with ``torch.frombuffer`` without a copy.
-Nothing here unpickles anything.
+A message is one ZeroMQ multipart message: frame 0 is a small msgpack header, then the raw bytes
+of the tensors the header describes, in order. Tensors smaller than the header's ``pack_below``
+travel together in one frame, the pack (each at a multiple of ``PACK_ALIGN`` bytes), which
+follows the header when there is one; every larger tensor has a frame of its own, sent with
+``copy=False``. Tensor bytes never go inside msgpack; on receipt every tensor, packed or not, is
+wrapped with ``torch.frombuffer`` without a copy. Nothing here unpickles anything.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,8 +24,16 @@ import zmq
 # chunks they carry no gradient for (PushRequest.absent), init the parameters' dimensions;
 # 5: standbys (seed, replicate; moved and not_primary errors; RegisterReply.standby);
 # 6: attach offers the wave's memory (AttachRequest.memory_*), pushes in parts (more);
-# 7: a push says which batch its compute_s measured (PushRequest.compute_samples)
-PROTOCOL_VERSION = 7
+# 7: a push says which batch its compute_s measured (PushRequest.compute_samples);
+# 8: small tensors travel packed in one frame (Header.pack_below)
+PROTOCOL_VERSION = 8
+
+# A frame of its own costs a sender some microseconds in pyzmq and ZeroMQ whatever its size, and
+# a tracked zero-copy frame (a shard's weight replies) several times that, where copying a small
+# tensor into the pack costs less: for a model of many small tensors the pack cuts a message's
+# sending CPU several-fold (benchmarks/bench_frames.py). Larger tensors keep their zero-copy frames.
+PACK_BELOW = 64 * 1024
+PACK_ALIGN = 64  # every packed tensor starts at a multiple of this many bytes in the pack
 
 # A header is small; anything bigger is a malformed or hostile message.
 MAX_HEADER_BYTES = 1 << 20
@@ -171,6 +182,13 @@ class TensorDesc:
 
     dtype: str
     shape: tuple[int, ...]
+    # worked out once: a message asks each descriptor several times (layout, checks)
+    numel: int = field(init=False, compare=False, repr=False)
+    nbytes: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", math.prod(self.shape))
+        object.__setattr__(self, "nbytes", self.numel * _DTYPES[self.dtype].itemsize)
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorDesc:
@@ -179,17 +197,6 @@ class TensorDesc:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
 
 
 @dataclass
@@ -206,6 +213,7 @@ class Header:
     keys: list[int] = field(default_factory=list)
     tensors: list[TensorDesc] = field(default_factory=list)
     body: dict[str, Any] = field(default_factory=dict)
+    pack_below: int = 0  # tensors of fewer bytes are in the pack frame (encode sets it)
     version: int = PROTOCOL_VERSION
 
     def pack(self) -> bytes:
@@ -221,6 +229,7 @@ class Header:
                 "plan": self.plan,
                 "keys": list(self.keys),
                 "tensors": [[d.dtype, list(d.shape)] for d in self.tensors],
+                "pack": self.pack_below,
                 "body": self.body,
             },
             use_bin_type=True,
@@ -254,8 +263,12 @@ class Header:
                 plan=_typed(d, "plan", str),
                 keys=[check_type(k, int, "key") for k in _typed(d, "keys", list)],
                 tensors=[_desc(t) for t in _typed(d, "tensors", list)],
+                # absent: every tensor in a frame of its own
+                pack_below=check_type(d.get("pack", 0), int, "header field 'pack'"),
                 body=_typed(d, "body", dict),
             )
+            if h.pack_below < 0:
+                raise ValueError(f"header field 'pack' must be >= 0, got {h.pack_below}")
         except (TypeError, ValueError) as e:
             raise ProtocolError(ErrorCode.MALFORMED, str(e)) from None
         return h
@@ -288,11 +301,15 @@ def _desc(t: Any) -> TensorDesc:
 
 def tensor_frame(tensor: torch.Tensor) -> memoryview:
     """A zero-copy view of a contiguous CPU tensor's bytes, ready for ``send(copy=False)``."""
+    _check_framable(tensor)
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _check_framable(tensor: torch.Tensor) -> None:
     if tensor.device.type != "cpu":
         raise ValueError("only CPU tensors can be framed; copy device tensors to host first")
     if not tensor.is_contiguous():
         raise ValueError("tensor frames must be contiguous")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def frame_tensor(buffer: Any, desc: TensorDesc) -> torch.Tensor:
@@ -309,10 +326,52 @@ def frame_tensor(buffer: Any, desc: TensorDesc) -> torch.Tensor:
     return torch.frombuffer(view, dtype=desc.torch_dtype).reshape(desc.shape)
 
 
-def encode(header: Header, tensors: Sequence[torch.Tensor] = ()) -> list[Any]:
-    """Frames for one message; fills in the header's tensor descriptors."""
+def encode(
+    header: Header, tensors: Sequence[torch.Tensor] = (), pack_below: int = PACK_BELOW
+) -> list[Any]:
+    """Frames for one message: the header, the pack of the tensors under ``pack_below`` bytes
+    (copied into it; absent when there are none), then each larger tensor's own zero-copy view.
+    Fills in the header's tensor descriptors and ``pack_below``."""
     header.tensors = [TensorDesc.of(t) for t in tensors]
-    return [header.pack(), *(tensor_frame(t) for t in tensors)]
+    header.pack_below = pack_below
+    offsets, size = pack_layout(header.tensors, pack_below)
+    frames: list[Any] = [header.pack()]
+    if size is not None:
+        frames.append(_packed(tensors, offsets))
+    frames += [tensor_frame(t) for t, o in zip(tensors, offsets, strict=True) if o is None]
+    return frames
+
+
+def pack_layout(
+    descs: Sequence[TensorDesc], pack_below: int
+) -> tuple[list[int | None], int | None]:
+    """Where each tensor starts in the pack (None: in a frame of its own), and the pack's size
+    (None: no pack). Sender and receiver both derive it from the header alone."""
+    offsets: list[int | None] = []
+    end = None
+    for d in descs:
+        if d.nbytes < pack_below:
+            start = 0 if end is None else -(-end // PACK_ALIGN) * PACK_ALIGN
+            offsets.append(start)
+            end = start + d.nbytes
+        else:
+            offsets.append(None)
+    return offsets, end
+
+
+def _packed(tensors: Sequence[torch.Tensor], offsets: list[int | None]) -> memoryview:
+    """The pack: the small tensors' bytes in one fresh buffer (one copy, by one ``torch.cat``)."""
+    pieces, end = [], 0
+    pad = torch.zeros(PACK_ALIGN, dtype=torch.uint8)
+    for t, start in zip(tensors, offsets, strict=True):
+        if start is None:
+            continue
+        _check_framable(t)
+        if start > end:
+            pieces.append(pad[: start - end])
+        pieces.append(t.reshape(-1).view(torch.uint8))
+        end = start + t.nbytes
+    return memoryview(torch.cat(pieces).numpy())
 
 
 def send_message(
@@ -322,13 +381,15 @@ def send_message(
     prefix: Sequence[bytes] = (),
     track: bool = False,
     flags_nonblocking: bool = False,
+    pack_below: int = PACK_BELOW,
 ) -> zmq.MessageTracker | None:
-    """Send one message, tensors zero-copy. ``prefix`` carries ROUTER routing frames.
+    """Send one message, the larger tensors zero-copy. ``prefix`` carries ROUTER routing frames.
 
-    With ``track=True`` the returned tracker is done once ZeroMQ no longer reads the tensors'
-    memory: a sender that will modify those tensors in place must wait for it first.
+    With ``track=True`` the returned tracker is done once ZeroMQ no longer reads the message's
+    memory (the pack's and the larger tensors'): a sender that will modify those tensors in place
+    must wait for it first, and a message whose tracker is done has left.
     """
-    header_frame, *payload = encode(header, tensors)
+    header_frame, *payload = encode(header, tensors, pack_below)
     frames = [*prefix, header_frame]
     frames += [zmq.Frame(p, copy=False, track=track) for p in payload]
     socket.send_multipart(frames, flags=zmq.NOBLOCK if flags_nonblocking else 0, copy=False)
@@ -342,13 +403,31 @@ def decode(frames: Sequence[Any]) -> tuple[Header, list[torch.Tensor]]:
     if not frames:
         raise ProtocolError(ErrorCode.MALFORMED, "empty message")
     header = Header.unpack(_bytes_of(frames[0]))
+    offsets, size = pack_layout(header.tensors, header.pack_below)
+    own = [d for d, o in zip(header.tensors, offsets, strict=True) if o is None]
     payload = frames[1:]
-    if len(payload) != len(header.tensors):
+    expected = len(own) + (size is not None)
+    if len(payload) != expected:
         raise ProtocolError(
             ErrorCode.MALFORMED,
-            f"header describes {len(header.tensors)} tensors but {len(payload)} frames followed",
+            f"header describes {len(header.tensors)} tensors in {expected} frames but "
+            f"{len(payload)} frames followed",
         )
-    tensors = [frame_tensor(_buffer_of(f), d) for f, d in zip(payload, header.tensors, strict=True)]
+    tensors: list[torch.Tensor | None] = [None] * len(header.tensors)
+    if size is not None:
+        pack = memoryview(_buffer_of(payload[0])).cast("B")
+        if pack.nbytes != size:
+            raise ProtocolError(
+                ErrorCode.BAD_SHAPE, f"the pack holds {pack.nbytes} bytes, header says {size}"
+            )
+        for i, (d, start) in enumerate(zip(header.tensors, offsets, strict=True)):
+            if start is not None:
+                tensors[i] = frame_tensor(pack[start : start + d.nbytes], d)
+        payload = payload[1:]
+    singles = iter(payload)
+    for i, start in enumerate(offsets):
+        if start is None:
+            tensors[i] = frame_tensor(_buffer_of(next(singles)), header.tensors[i])
     return header, tensors
 
 

@@ -5,6 +5,8 @@ import torch
 import zmq
 
 from wavelet.common.protocol import (
+    PACK_ALIGN,
+    PACK_BELOW,
     PROTOCOL_VERSION,
     ErrorCode,
     Header,
@@ -90,6 +92,74 @@ def test_round_trip_over_zmq_is_zero_copy_on_receive():
         a.close(0), b.close(0), ctx.term()
 
 
+def _mixed():
+    """Small tensors of several dtypes (packed) between two over PACK_BELOW (a frame each)."""
+    big = PACK_BELOW // 4 + 1  # float32 values: one byte past the bound
+    return [
+        _sample(torch.bfloat16, (3, 5)),
+        torch.randn(big),
+        _sample(torch.int64, (7,)),
+        _sample(torch.bool, ()),
+        _sample(torch.float32, (0,)),
+        torch.randn(2, big),
+        _sample(torch.float16, (9,)),
+    ]
+
+
+def test_small_tensors_travel_in_one_pack_and_large_ones_in_frames_of_their_own():
+    tensors = _mixed()
+    frames = encode(Header(op=Op.PUSH), tensors)
+    assert len(frames) == 1 + 1 + 2  # header, the pack, the two large tensors
+    h, out = decode([bytearray(f) for f in frames])
+    assert h.pack_below == PACK_BELOW
+    for a, b in zip(tensors, out, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    # with pack_below 0 every tensor has its frame, as before protocol 8
+    frames = encode(Header(op=Op.PUSH), tensors, pack_below=0)
+    assert len(frames) == 1 + len(tensors)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, decode(frames)[1], strict=True))
+
+
+def test_packed_tensors_are_aligned_views_of_the_received_pack():
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    port = a.bind_to_random_port("tcp://127.0.0.1")
+    b.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        tensors = _mixed()
+        send_message(a, Header(op=Op.PUSH), tensors)
+        assert b.poll(5000), "no message within 5 s"
+        frames = b.recv_multipart(copy=False)
+        _, out = decode(frames)
+        pack = np.frombuffer(frames[1].buffer, np.uint8).ctypes.data
+        for i in (0, 2, 3, 6):  # the packed ones (the empty tensor has no memory to share)
+            offset = out[i].data_ptr() - pack
+            assert 0 <= offset < len(frames[1]) and offset % PACK_ALIGN == 0
+            assert torch.equal(out[i], tensors[i])
+    finally:
+        a.close(0), b.close(0), ctx.term()
+
+
+def test_a_packed_tensor_may_change_once_sent_and_the_message_keeps_its_value():
+    # packing copies: a sender may write a small tensor again at once (a large one it may not
+    # before the tracker says ZeroMQ let go of it)
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    port = a.bind_to_random_port("tcp://127.0.0.1")
+    b.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        small = torch.arange(10.0)
+        tracker = send_message(a, Header(op=Op.PUSH), [small], track=True)
+        small.fill_(-1.0)
+        assert b.poll(5000), "no message within 5 s"
+        _, (got,) = decode(b.recv_multipart(copy=False))
+        assert torch.equal(got, torch.arange(10.0))
+        tracker.wait(5)  # a message of small tensors only is still tracked: it has left
+        assert tracker.done
+    finally:
+        a.close(0), b.close(0), ctx.term()
+
+
 def _header_dict(**over):
     d = {
         "v": PROTOCOL_VERSION,
@@ -120,6 +190,8 @@ def _header_dict(**over):
         (msgpack.packb(_header_dict(tensors=[["float99", [3]]])), ErrorCode.MALFORMED),
         (msgpack.packb(_header_dict(tensors=[["float32", [-3]]])), ErrorCode.MALFORMED),
         (msgpack.packb(_header_dict(keys=["a"])), ErrorCode.MALFORMED),
+        (msgpack.packb(_header_dict(pack=-1)), ErrorCode.MALFORMED),
+        (msgpack.packb(_header_dict(pack="64")), ErrorCode.MALFORMED),
     ],
 )
 def test_bad_headers_are_refused_with_a_code(raw, code):
@@ -135,6 +207,15 @@ def test_frame_count_and_size_must_match_the_header():
     assert e.value.code == ErrorCode.MALFORMED
     with pytest.raises(ProtocolError) as e:
         decode([frames[0], bytearray(15)])
+    assert e.value.code == ErrorCode.BAD_SHAPE
+    # packed: the pack must be there, once, and hold exactly the layout's bytes
+    frames = encode(Header(op=Op.PUSH), _mixed())
+    for wrong in ([frames[0], *frames[2:]], [*frames, frames[1]]):
+        with pytest.raises(ProtocolError) as e:
+            decode(wrong)
+        assert e.value.code == ErrorCode.MALFORMED
+    with pytest.raises(ProtocolError) as e:
+        decode([frames[0], bytes(frames[1])[:-1], *frames[2:]])
     assert e.value.code == ErrorCode.BAD_SHAPE
 
 
