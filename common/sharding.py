@@ -17,7 +17,7 @@ bf16 job and a shard seeded by an fp32 one refuse each other at once.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,16 +40,13 @@ class Chunk:
     trainable: bool  # parameters are trained by gradients; buffers (BatchNorm stats) are state
     shard: int
     wire: str  # the dtype gradients and weights of this chunk travel in
+    # made once (every message asks for them chunk by chunk); not in the plan's fingerprint
+    desc: TensorDesc = field(init=False, repr=False, compare=False)  # as model and shard hold it
+    wire_desc: TensorDesc = field(init=False, repr=False, compare=False)  # as it travels
 
-    @property
-    def desc(self) -> TensorDesc:
-        """The chunk as the model and the shard's master copy hold it."""
-        return TensorDesc(self.dtype, (self.numel,))
-
-    @property
-    def wire_desc(self) -> TensorDesc:
-        """The chunk as it travels between wave and shard."""
-        return TensorDesc(self.wire, (self.numel,))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "desc", TensorDesc(self.dtype, (self.numel,)))
+        object.__setattr__(self, "wire_desc", TensorDesc(self.wire, (self.numel,)))
 
     @property
     def nbytes(self) -> int:

@@ -105,6 +105,7 @@ class WaveDataPath:
     ):
         self.tensors = tensors
         self.chunks = chunks
+        self._wire_bytes = [sum(c.wire_nbytes for c in shard) for shard in chunks]  # per shard
         self.error_feedback = error_feedback
         self.links: list[ShmLink | None] = [None] * len(chunks)  # per shard, once attached
         self.memory: WaveMemory | None = None  # our parameters' memory, shared with shards
@@ -151,9 +152,7 @@ class WaveDataPath:
     def round_trip_bytes(self) -> int:
         """Tensor bytes one push and pull put on the wire: every chunk up and back, except those
         of shards reached through shared memory."""
-        return 2 * sum(
-            c.wire_nbytes for i, chunks in enumerate(self.chunks) if not self.shm(i) for c in chunks
-        )
+        return 2 * sum(n for i, n in enumerate(self._wire_bytes) if not self.shm(i))
 
     def close(self) -> None:
         for i in range(len(self.links)):
