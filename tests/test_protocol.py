@@ -1,8 +1,13 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import msgpack
 import numpy as np
 import pytest
 import torch
 import zmq
+from conftest import CHILD_ENV
 
 from wavelet.common.protocol import (
     PACK_ALIGN,
@@ -30,6 +35,7 @@ DTYPES = [
     torch.uint8,
     torch.bool,
 ]
+ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (1, 1, 1, 9)]
 
 
@@ -223,3 +229,18 @@ def test_no_pickle_anywhere():
     # msgpack cannot carry arbitrary objects: encoding one fails instead of pickling it
     with pytest.raises(TypeError):
         Header(op=Op.PUSH, body={"obj": object()}).pack()
+
+
+def test_the_frames_benchmark_runs():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_frames.py")]
+        + ["--rounds", "1", "--messages", "3", "--width", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CHILD_ENV,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for message in ("push (untracked)", "weights reply (tracked)"):
+        for way in ("a frame per tensor", "small tensors packed"):
+            assert f"| {message} | {way} |" in out.stdout, out.stdout
