@@ -78,24 +78,29 @@ def test_round_trip_in_memory(dtype):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-def test_round_trip_over_zmq_is_zero_copy_on_receive():
+@pytest.fixture
+def pair():
+    """Two PAIR sockets joined over loopback TCP: (sender, receiver)."""
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     port = a.bind_to_random_port("tcp://127.0.0.1")
     b.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        tensors = [_sample(d, (64, 33)) for d in DTYPES] + [torch.randn(300_000)]
-        send_message(a, Header(op=Op.PUSH), tensors)
-        assert b.poll(5000), "no message within 5 s"
-        frames = b.recv_multipart(copy=False)
-        h, out = decode(frames)
-        assert [TensorDesc.of(t) for t in tensors] == h.tensors
-        for x, y in zip(tensors, out, strict=True):
-            assert torch.equal(x, y)
-        # the big tensor aliases the received frame's memory (no copy was made)
-        assert out[-1].data_ptr() == np.frombuffer(frames[-1].buffer, np.uint8).ctypes.data
-    finally:
-        a.close(0), b.close(0), ctx.term()
+    yield a, b
+    a.close(0), b.close(0), ctx.term()
+
+
+def test_round_trip_over_zmq_is_zero_copy_on_receive(pair):
+    a, b = pair
+    tensors = [_sample(d, (64, 33)) for d in DTYPES] + [torch.randn(300_000)]
+    send_message(a, Header(op=Op.PUSH), tensors)
+    assert b.poll(5000), "no message within 5 s"
+    frames = b.recv_multipart(copy=False)
+    h, out = decode(frames)
+    assert [TensorDesc.of(t) for t in tensors] == h.tensors
+    for x, y in zip(tensors, out, strict=True):
+        assert torch.equal(x, y)
+    # the big tensor aliases the received frame's memory (no copy was made)
+    assert out[-1].data_ptr() == np.frombuffer(frames[-1].buffer, np.uint8).ctypes.data
 
 
 def _mixed():
@@ -126,44 +131,32 @@ def test_small_tensors_travel_in_one_pack_and_large_ones_in_frames_of_their_own(
     assert all(torch.equal(a, b) for a, b in zip(tensors, decode(frames)[1], strict=True))
 
 
-def test_packed_tensors_are_aligned_views_of_the_received_pack():
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    port = a.bind_to_random_port("tcp://127.0.0.1")
-    b.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        tensors = _mixed()
-        send_message(a, Header(op=Op.PUSH), tensors)
-        assert b.poll(5000), "no message within 5 s"
-        frames = b.recv_multipart(copy=False)
-        _, out = decode(frames)
-        pack = np.frombuffer(frames[1].buffer, np.uint8).ctypes.data
-        for i in (0, 2, 3, 6):  # the packed ones (the empty tensor has no memory to share)
-            offset = out[i].data_ptr() - pack
-            assert 0 <= offset < len(frames[1]) and offset % PACK_ALIGN == 0
-            assert torch.equal(out[i], tensors[i])
-    finally:
-        a.close(0), b.close(0), ctx.term()
+def test_packed_tensors_are_aligned_views_of_the_received_pack(pair):
+    a, b = pair
+    tensors = _mixed()
+    send_message(a, Header(op=Op.PUSH), tensors)
+    assert b.poll(5000), "no message within 5 s"
+    frames = b.recv_multipart(copy=False)
+    _, out = decode(frames)
+    pack = np.frombuffer(frames[1].buffer, np.uint8).ctypes.data
+    for i in (0, 2, 3, 6):  # the packed ones (the empty tensor has no memory to share)
+        offset = out[i].data_ptr() - pack
+        assert 0 <= offset < len(frames[1]) and offset % PACK_ALIGN == 0
+        assert torch.equal(out[i], tensors[i])
 
 
-def test_a_packed_tensor_may_change_once_sent_and_the_message_keeps_its_value():
+def test_a_packed_tensor_may_change_once_sent_and_the_message_keeps_its_value(pair):
     # packing copies: a sender may write a small tensor again at once (a large one it may not
     # before the tracker says ZeroMQ let go of it)
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    port = a.bind_to_random_port("tcp://127.0.0.1")
-    b.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        small = torch.arange(10.0)
-        tracker = send_message(a, Header(op=Op.PUSH), [small], track=True)
-        small.fill_(-1.0)
-        assert b.poll(5000), "no message within 5 s"
-        _, (got,) = decode(b.recv_multipart(copy=False))
-        assert torch.equal(got, torch.arange(10.0))
-        tracker.wait(5)  # a message of small tensors only is still tracked: it has left
-        assert tracker.done
-    finally:
-        a.close(0), b.close(0), ctx.term()
+    a, b = pair
+    small = torch.arange(10.0)
+    tracker = send_message(a, Header(op=Op.PUSH), [small], track=True)
+    small.fill_(-1.0)
+    assert b.poll(5000), "no message within 5 s"
+    _, (got,) = decode(b.recv_multipart(copy=False))
+    assert torch.equal(got, torch.arange(10.0))
+    tracker.wait(5)  # a message of small tensors only is still tracked: it has left
+    assert tracker.done
 
 
 def _header_dict(**over):
