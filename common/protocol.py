@@ -34,6 +34,7 @@ PROTOCOL_VERSION = 8
 # push's sending CPU to 0.63x and a weight reply's to 0.51x (benchmarks/bench_frames.py).
 PACK_BELOW = 64 * 1024
 PACK_ALIGN = 64  # every packed tensor starts at a multiple of this many bytes in the pack
+_PAD = torch.zeros(PACK_ALIGN, dtype=torch.uint8)  # the gaps between packed tensors (read only)
 
 # A header is small; anything bigger is a malformed or hostile message.
 MAX_HEADER_BYTES = 1 << 20
@@ -362,13 +363,12 @@ def pack_layout(
 def _packed(tensors: Sequence[torch.Tensor], offsets: list[int | None]) -> memoryview:
     """The pack: the small tensors' bytes in one fresh buffer (one copy, by one ``torch.cat``)."""
     pieces, end = [], 0
-    pad = torch.zeros(PACK_ALIGN, dtype=torch.uint8)
     for t, start in zip(tensors, offsets, strict=True):
         if start is None:
             continue
         _check_framable(t)
         if start > end:
-            pieces.append(pad[: start - end])
+            pieces.append(_PAD[: start - end])
         pieces.append(t.reshape(-1).view(torch.uint8))
         end = start + t.nbytes
     return memoryview(torch.cat(pieces).numpy())
@@ -404,30 +404,27 @@ def decode(frames: Sequence[Any]) -> tuple[Header, list[torch.Tensor]]:
         raise ProtocolError(ErrorCode.MALFORMED, "empty message")
     header = Header.unpack(_bytes_of(frames[0]))
     offsets, size = pack_layout(header.tensors, header.pack_below)
-    own = [d for d, o in zip(header.tensors, offsets, strict=True) if o is None]
     payload = frames[1:]
-    expected = len(own) + (size is not None)
+    expected = offsets.count(None) + (size is not None)
     if len(payload) != expected:
         raise ProtocolError(
             ErrorCode.MALFORMED,
             f"header describes {len(header.tensors)} tensors in {expected} frames but "
             f"{len(payload)} frames followed",
         )
-    tensors: list[torch.Tensor | None] = [None] * len(header.tensors)
+    singles = iter(payload)
     if size is not None:
-        pack = memoryview(_buffer_of(payload[0])).cast("B")
+        pack = memoryview(_buffer_of(next(singles))).cast("B")
         if pack.nbytes != size:
             raise ProtocolError(
                 ErrorCode.BAD_SHAPE, f"the pack holds {pack.nbytes} bytes, header says {size}"
             )
-        for i, (d, start) in enumerate(zip(header.tensors, offsets, strict=True)):
-            if start is not None:
-                tensors[i] = frame_tensor(pack[start : start + d.nbytes], d)
-        payload = payload[1:]
-    singles = iter(payload)
-    for i, start in enumerate(offsets):
-        if start is None:
-            tensors[i] = frame_tensor(_buffer_of(next(singles)), header.tensors[i])
+    tensors = [
+        frame_tensor(
+            _buffer_of(next(singles)) if start is None else pack[start : start + d.nbytes], d
+        )
+        for d, start in zip(header.tensors, offsets, strict=True)
+    ]
     return header, tensors
 
 

@@ -23,6 +23,7 @@ from wavelet.common.protocol import (
     send_message,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 DTYPES = [
     torch.float32,
     torch.float64,
@@ -35,7 +36,6 @@ DTYPES = [
     torch.uint8,
     torch.bool,
 ]
-ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (1, 1, 1, 9)]
 
 
