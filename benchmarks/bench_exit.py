@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from summarize_updates import median_range  # benchmarks/, beside this script
+
 SCRIPT = """
 import sys, time, torch
 {dynamo}
@@ -48,10 +50,6 @@ def one_exit(fast: bool, dynamo: bool) -> tuple[float, float]:
     return ended - float(out.split()[-1]), cpu
 
 
-def _summary(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -68,7 +66,7 @@ def main() -> None:
     for fast, name in ((False, "the interpreter's exit"), (True, "exit_now")):
         exits = [e for e, _ in results[fast]]
         cpus = [c for _, c in results[fast]]
-        print(f"| {name} | {_summary(exits)} | {_summary(cpus)} |")
+        print(f"| {name} | {median_range(exits, 2)} | {median_range(cpus, 2)} |")
     ratio = statistics.median(e for e, _ in results[True]) / statistics.median(
         e for e, _ in results[False]
     )

@@ -21,6 +21,7 @@ import time
 
 import torch
 import zmq
+from summarize_updates import median_range  # benchmarks/, beside this script
 
 from wavelet.common.models import build_model
 from wavelet.common.protocol import PACK_BELOW, Header, Op, decode, send_message
@@ -107,19 +108,13 @@ def main() -> None:
             base = statistics.median(sent["a frame per tensor"])
             for way in WAYS:
                 ratio = statistics.median(sent[way]) / base
-                print(
-                    f"| {kind} | {way} | {_summary(sent[way])} | {_summary(received[way])} "
-                    f"| {ratio:.2f}x |"
-                )
+                out, back = median_range(sent[way], 3), median_range(received[way], 3)
+                print(f"| {kind} | {way} | {out} | {back} | {ratio:.2f}x |")
     finally:
         sock.send(b"stop")
         receiver.join(30)
         sock.close(0)
         ctx.term()
-
-
-def _summary(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import torch
+from summarize_updates import median_range  # benchmarks/, beside this script
 
 from wavelet.common.config import JobConfig
 from wavelet.common.daemon_config import PSConfig
@@ -144,10 +145,6 @@ def parts_ms(args, plan, tensors) -> dict[str, tuple[list[float], list[float]]]:
     return out
 
 
-def _summary(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=2)
@@ -173,14 +170,15 @@ def main() -> None:
         f"{sum(c.numel for c in chunks)} values, wire {args.wire}, {args.waves} waves; "
         f"medians (range) over {args.rounds} rounds of {args.pushes}"
     )
-    print(f"\nCPU ms per push in ShardService.handle: {_summary(handle_ms(args, plan, tensors))}")
+    per_push = median_range(handle_ms(args, plan, tensors), 3)
+    print(f"\nCPU ms per push in ShardService.handle: {per_push}")
     if args.whole_pushes_only:
         return
     print("\n| part of a push | tensor by tensor, ms | all at once, ms | ratio |")
     print("|---|---:|---:|---:|")
     for name, (each, at_once) in parts_ms(args, plan, tensors).items():
         ratio = statistics.median(at_once) / statistics.median(each)
-        print(f"| {name} | {_summary(each)} | {_summary(at_once)} | {ratio:.2f}x |")
+        print(f"| {name} | {median_range(each, 3)} | {median_range(at_once, 3)} | {ratio:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from summarize_updates import median_range  # benchmarks/, beside this script
+
 from wavelet.scripts.forkserver import ForkServer
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -92,10 +94,6 @@ def job(folder: Path, env: dict[str, str], spawn: str, epochs: int) -> tuple[flo
     return took, cpu
 
 
-def _summary(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -134,7 +132,7 @@ def main() -> None:
     for name, values in results.items():
         what, way = name.split()
         walls, cpus = [v[0] for v in values], [v[1] for v in values]
-        print(f"| {what} | {way} | {_summary(walls)} | {_summary(cpus)} |")
+        print(f"| {what} | {way} | {median_range(walls, 2)} | {median_range(cpus, 2)} |")
     for what in ("shard", "job"):
         if f"{what} exec" in results:
             pairs = list(zip(results[f"{what} fork"], results[f"{what} exec"], strict=True))
