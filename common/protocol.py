@@ -193,11 +193,30 @@ class TensorDesc:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorDesc:
-        return cls(dtype_name(tensor.dtype), tuple(tensor.shape))
+        return known_desc(dtype_name(tensor.dtype), tuple(tensor.shape))
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+
+# A model's chunks repeat from message to message: each descriptor is made (and, received,
+# checked) once and then looked up, about 1.5 us saved per tensor of every message
+# (docs/performance.md). Only well-formed ones are kept, of a few dimensions, a bounded
+# number, so a peer sending ever new shapes costs no more than before.
+_KNOWN_DESCS: dict[tuple[str, tuple[int, ...]], TensorDesc] = {}
+_KNOWN_MAX, _KNOWN_MAX_DIMS = 1 << 14, 8
+
+
+def known_desc(dtype: str, shape: tuple[int, ...]) -> TensorDesc:
+    """``TensorDesc(dtype, shape)`` (already checked), the same object each time it is asked."""
+    key = (dtype, shape)
+    desc = _KNOWN_DESCS.get(key)
+    if desc is None:
+        desc = TensorDesc(dtype, shape)
+        if len(_KNOWN_DESCS) < _KNOWN_MAX and len(shape) <= _KNOWN_MAX_DIMS:
+            _KNOWN_DESCS[key] = desc
+    return desc
 
 
 @dataclass
@@ -291,13 +310,19 @@ def _typed(d: dict, name: str, kind: type) -> Any:
 def _desc(t: Any) -> TensorDesc:
     if not (isinstance(t, list) and len(t) == 2 and isinstance(t[1], list)):
         raise TypeError("tensor descriptor must be [dtype, shape]")
-    dtype = check_type(t[0], str, "tensor dtype")
+    dtype, dims = t
+    # one seen before (exact types: a bool or float where a dimension belongs equals an int)
+    if type(dtype) is str and all(type(s) is int for s in dims):
+        desc = _KNOWN_DESCS.get((dtype, tuple(dims)))
+        if desc is not None:
+            return desc
+    dtype = check_type(dtype, str, "tensor dtype")
     if dtype not in _DTYPES:
         raise ValueError(f"unknown tensor dtype {dtype!r}")
-    shape = tuple(check_type(s, int, "tensor dimension") for s in t[1])
+    shape = tuple(check_type(s, int, "tensor dimension") for s in dims)
     if any(s < 0 for s in shape):
         raise ValueError(f"negative tensor dimension in {shape}")
-    return TensorDesc(dtype, shape)
+    return known_desc(dtype, shape)
 
 
 def tensor_frame(tensor: torch.Tensor) -> memoryview:

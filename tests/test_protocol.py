@@ -199,6 +199,18 @@ def test_bad_headers_are_refused_with_a_code(raw, code):
     assert e.value.code == code
 
 
+def test_a_descriptor_seen_before_is_looked_up_and_its_look_alikes_still_refused():
+    raw = msgpack.packb(_header_dict(tensors=[["float32", [1, 3]]]))
+    first, again = Header.unpack(raw), Header.unpack(raw)
+    assert first.tensors[0] is again.tensors[0]
+    assert again.tensors[0] == TensorDesc("float32", (1, 3))
+    # equal to (1, 3) and hashed alike, but not dimensions
+    for dims in ([True, 3], [1.0, 3]):
+        with pytest.raises(ProtocolError) as e:
+            Header.unpack(msgpack.packb(_header_dict(tensors=[["float32", dims]])))
+        assert e.value.code == ErrorCode.MALFORMED
+
+
 def test_frame_count_and_size_must_match_the_header():
     frames = encode(Header(op=Op.PUSH), [torch.zeros(4)])
     with pytest.raises(ProtocolError) as e:
