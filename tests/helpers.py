@@ -44,6 +44,7 @@ def client_for(
     wire_dtype="fp32",
     error_feedback=False,
     placement="size",
+    part_bytes=0,
 ):
     plan = ShardingPlan.for_model(model, len(addresses), 4 << 20, wire_dtype, placement)
     tensors = {n: t for n, t, _ in model_tensors(model)}
@@ -57,6 +58,7 @@ def client_for(
         stop or threading.Event(),
         transport=transport,
         error_feedback=error_feedback,
+        part_bytes=part_bytes,
     )
 
 

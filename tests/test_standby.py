@@ -18,12 +18,13 @@ from wavelet.common.records import read_records
 STEPS = 12
 
 
-def _train(addresses, clocks, model=None, worker="w0", before=None, transports=None):
+def _train(addresses, clocks, model=None, worker="w0", before=None, transports=None, **client):
     """``clocks`` steps of one wave pushing gradients of ones from a fresh tiny model; calls
     ``before(clock)`` before each push. Returns the model (its weights: the last pull), the
-    updates lost and the versions read; ``transports`` (a list) gets the links' at the end."""
+    updates lost and the versions read; ``transports`` (a list) gets the links' at the end;
+    ``client``: more arguments of its PSClient (helpers.client_for)."""
     model = model or tiny_model()
-    c = client_for(model, addresses, worker=worker)
+    c = client_for(model, addresses, worker=worker, **client)
     try:
         c.register(0)
         r = c.pull(0)
@@ -122,6 +123,24 @@ def test_a_stopped_shard_hands_itself_over_and_bsp_loses_nothing(shard_daemons):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.timeout(180)
+def test_a_wave_pulling_in_parts_follows_a_shard_that_handed_itself_over(shard_daemons):
+    """Weights asked for in parts (pull during forward, over TCP): the push the stopped shard
+    never took is given again to its standby, whose answer completes the step."""
+    daemons = shard_daemons(["--staleness", "inf"], count=2, standbys=True)
+
+    def stop_at(clock):
+        if clock == STEPS // 2:  # gone before the push: the standby must be given it again
+            daemons.procs[1].send_signal(signal.SIGTERM)
+            assert daemons.procs[1].wait(30) == 0
+
+    model, lost, versions = _train(
+        daemons.addresses, STEPS, before=stop_at, transport="tcp", part_bytes=1
+    )
+    assert "handed itself to its standby" in (daemons.tmp / "ps-1.log").read_text()
+    assert lost == 0 and versions == [STEPS, STEPS]
+
+
 @pytest.mark.timeout(120)
 def test_a_standby_serves_nobody_while_its_primary_lives(shard_daemons):
     daemons = shard_daemons(["--staleness", "inf"], count=2, standbys=True)
@@ -193,3 +212,31 @@ def test_launch_with_two_replicas_goes_on_through_a_killed_shard(tmp_path):
     assert summary["test_accuracy"] >= 0.9, summary
     assert "standby of shard 0 takes the shard over" in (run_dir / "logs" / "ps-1.log").read_text()
     _assert_nothing_left(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_waves_pulling_during_forward_follow_a_shard_that_handed_itself_over(
+    shard_daemons, tmp_path
+):
+    """Wave turns with pull during forward over TCP, shard 1 stopped with SIGTERM mid-run: a
+    wave whose push the moved shard refused sees it while it waits for the baton, not only
+    at its next forward, so the other wave's forward (waiting for that wave's update, baton
+    in hand) is not held until the baton gives up on it."""
+    job = ["--epochs", "4", "--waves", "2", "--updates", "wave-turns"]
+    job += ["--pull-during-forward", "true", "--set", "baton_timeout_s=120"]
+    daemons = shard_daemons(job, count=2, expect_waves=2, standbys=True)
+    run = tmp_path / "run"
+    records = run / "records" / "worker-0-wave-0.jsonl"
+    args = ["worker", *job, "--threads", "1", "--run-dir", str(run), "--transport", "tcp"]
+    for a in daemons.addresses:
+        args += ["--shard", a]
+    with forked(args, tmp_path / "worker.log") as worker:
+        wait_for(lambda: _steps(records) >= 20, 90, "training did not start")
+        daemons.procs[1].send_signal(signal.SIGTERM)
+        code = worker.wait(180)
+    text = (tmp_path / "worker.log").read_text()
+    assert code == 0, text[-3000:]
+    assert "moves to its standby" in text
+    assert "skipped stalled wave" not in text
+    assert "silent for over" not in (daemons.tmp / "ps-0.log").read_text()

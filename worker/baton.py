@@ -16,8 +16,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+
+# How often a wave waiting for the baton does what it may meanwhile (take in its weights still
+# on their way, and follow a shard that moved: worker/rounds.py, PendingPull.take_arrived).
+MEANWHILE_EVERY_S = 0.01
 
 
 class ForwardBaton:
@@ -29,23 +34,34 @@ class ForwardBaton:
         self._holder: int | None = None
         self.timeout_s = timeout_s
 
-    def acquire(self, wave: int) -> float:
-        """Block until it is ``wave``'s turn and no forward runs; returns the seconds waited."""
+    def acquire(self, wave: int, meanwhile: Callable[[], None] | None = None) -> float:
+        """Block until it is ``wave``'s turn and no forward runs; returns the seconds waited.
+        ``meanwhile`` is called every ``MEANWHILE_EVERY_S`` of the wait, outside the lock."""
         start = time.monotonic()
-        with self._cond:
-            while not (self._holder is None and self._turn in (None, wave)):
-                waited = time.monotonic() - start
-                if self._holder is None and waited >= self.timeout_s:
-                    log.warning(
-                        "wave %d skipped stalled wave %d's turn to forward", wave, self._turn
-                    )
-                    break
-                self._cond.wait(
-                    max(0.001, self.timeout_s - waited) if self._holder is None else self.timeout_s
-                )
-            self._holder = wave
-            self._turn = wave
-        return time.monotonic() - start
+        while True:
+            with self._cond:
+                if self._wait_turn(wave, start, MEANWHILE_EVERY_S if meanwhile else None):
+                    self._holder = wave
+                    self._turn = wave
+                    return time.monotonic() - start
+            meanwhile()
+
+    def _wait_turn(self, wave: int, start: float, for_s: float | None) -> bool:
+        """Wait (at most ``for_s``; None: as long as it takes) until ``wave`` may take the baton
+        (called holding the lock); whether it may."""
+        until = None if for_s is None else time.monotonic() + for_s
+        while not (self._holder is None and self._turn in (None, wave)):
+            now = time.monotonic()
+            waited = now - start
+            if self._holder is None and waited >= self.timeout_s:
+                log.warning("wave %d skipped stalled wave %d's turn to forward", wave, self._turn)
+                return True
+            if until is not None and now >= until:
+                return False
+            # free but not our turn: until the stalled wave loses it; held: until notified
+            timeout = self.timeout_s if self._holder is not None else self.timeout_s - waited
+            self._cond.wait(max(0.001, timeout if until is None else min(timeout, until - now)))
+        return True
 
     def release(self, wave: int) -> None:
         with self._cond:
@@ -76,7 +92,7 @@ class ForwardBaton:
 class NoBaton:
     """Waves started together: forwards may overlap (the baseline tick-tock is compared with)."""
 
-    def acquire(self, wave: int) -> float:
+    def acquire(self, wave: int, meanwhile: Callable[[], None] | None = None) -> float:
         return 0.0
 
     def release(self, wave: int) -> None:

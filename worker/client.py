@@ -367,10 +367,15 @@ class PSClient(Recovery):
             exchange.unsent[i] = (h, tensors)  # no connection yet: retried in _gather
 
     def _gather(
-        self, exchange: Exchange, recover, until: Callable[[], bool] | None = None
+        self,
+        exchange: Exchange,
+        recover,
+        until: Callable[[], bool] | None = None,
+        once: bool = False,
     ) -> list[tuple[Header, list[torch.Tensor]]]:
         """Every reply of ``exchange`` (or raise on the first error), under one deadline; with
-        ``until``, only until ``until()`` holds (some replies may then still be missing)."""
+        ``until``, only until ``until()`` holds, and ``once``: only what has arrived, without
+        waiting (some replies may then still be missing)."""
         rid, replies, unsent = exchange.request_id, exchange.replies, exchange.unsent
         deadline = time.monotonic() + self.timeout_s
         while any(r is None for r in replies) and not (until is not None and until()):
@@ -388,7 +393,7 @@ class PSClient(Recovery):
                 )
             for i in [i for i in unsent if self._try_send(i, *unsent[i])]:
                 del unsent[i]
-            wait_s = min(left, 0.05 if unsent else 0.2)
+            wait_s = 0.0 if once else min(left, 0.05 if unsent else 0.2)
             # Never a blocking read below: a re-join while handling one ready socket may read
             # what the same poll found ready on another (its reply, its connection events).
             for sock, _ in self.links.poller.poll(wait_s * 1000):
@@ -431,6 +436,8 @@ class PSClient(Recovery):
                     exchange.take_rejoin(i, self._fail_over(i, recover))
                 elif self.links.lost(i):
                     raise self._lost(i)
+            if once:
+                break
         return replies
 
     def _try_send(self, i: int, header: Header, tensors: list[torch.Tensor]) -> bool:

@@ -144,6 +144,14 @@ class PendingPull:
         self.client._gather(self.exchange, self.recover, until=lambda: keys <= loaded)
         self.waited_s += time.perf_counter() - began
 
+    def take_arrived(self) -> None:
+        """Take in what has arrived, without waiting: parts of the weights, or a shard's word
+        that it moved (the push is then given again to its standby). Called while the wave
+        waits for the baton: the other wave, baton in hand, may be waiting for the update
+        this wave's push makes, which a moved shard's refusal left unmade until read."""
+        if any(r is None for r in self.exchange.replies):
+            self.client._gather(self.exchange, self.recover, once=True)
+
     def result(self) -> PullResult:
         """Every shard's weights loaded; what the pull read."""
         if any(r is None for r in self.exchange.replies):
@@ -236,6 +244,7 @@ class PushRound:
                     self.read_versions[i],
                     self.lr_scale,
                     skip and not self.sent[i],
+                    whole_reply=True,  # read as one message (Recovery._recover)
                 )
 
             return c._recover(i, self.clock + 1, repush=again)
@@ -276,17 +285,19 @@ def push_message(
     lr_scale: float,
     skip: bool,
     sent: frozenset[int] = frozenset(),
+    whole_reply: bool = False,
 ) -> tuple[Header, list[torch.Tensor]]:
     """Shard ``shard``'s push for ``clock``: its header, and its frames (none when the
     gradients went into its shared-memory segment, or for a skipped step); ``sent``: keys of
-    chunks that went ahead in parts (``push_part_message``), which its last part leaves out."""
+    chunks that went ahead in parts (``push_part_message``), which its last part leaves out;
+    ``whole_reply``: the weights come back in one message, even where the wave pulls in parts."""
     data = client.data
     compute_s, compute_samples = client.measured_compute()
     body = PushRequest(
         lr_scale=lr_scale,
         shm=data.shm(shard) and not skip,
         skip=skip,
-        part_bytes=client.part_bytes,
+        part_bytes=0 if whole_reply else client.part_bytes,
         absent=[] if skip else data.without_gradient(shard),
         samples=client.step_samples,
         compute_s=compute_s,

@@ -288,7 +288,9 @@ class Wave:
             "clock": clock,
         }
         pending = pulled if isinstance(pulled, PendingPull) else None
-        baton_wait = self.baton.acquire(self.ident.local)
+        baton_wait = self.baton.acquire(
+            self.ident.local, meanwhile=pending.take_arrived if pending is not None else None
+        )
         t0 = time.perf_counter()
         loss, forward_s = self.compute(self._forward, model, meter, batch, rec, pending)
         t1 = time.perf_counter()
