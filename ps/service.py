@@ -170,7 +170,8 @@ class ShardService(PushesAndReads):
             if stalled_s > 0:
                 self.clocks.credit(stalled_s)
             timeout = self.config.job.wave_timeout_s
-            for wave in self.clocks.silent(timeout, now):
+            # moved: the waves talk to the standby, their silence here is no news
+            for wave in [] if self.moved_to else self.clocks.silent(timeout, now):
                 log.warning(
                     "wave %s silent for over %.0fs: dropped from the membership so the others "
                     "go on; it rejoins when it comes back",

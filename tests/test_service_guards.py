@@ -161,6 +161,21 @@ def test_a_wave_dropped_for_silence_leaves_nothing_behind(tmp_path):
         service.close()
 
 
+def test_a_shard_that_moved_drops_no_wave_for_silence(tmp_path, caplog):
+    """Its waves talk to its standby now: their silence here is no news to log or act on."""
+    service = service_for(tmp_path, shm=False)
+    try:
+        wave = ServiceWave(service)
+        wave.join()
+        service.moved_to = "tcp://127.0.0.1:1"
+        with caplog.at_level("WARNING"):
+            service.tick(now=time.monotonic() + 1e6)
+        assert ("w0", 0) in service.clocks.live
+        assert "silent" not in caplog.text
+    finally:
+        service.close()
+
+
 def test_a_dropped_wave_no_longer_counts_in_the_served_buffers(tmp_path):
     service = service_for(tmp_path, shm=False)
     try:
