@@ -164,20 +164,29 @@ def test_a_worker_trains_on_through_a_killed_shard(shard_daemons, tmp_path):
     """A real worker of two waves, and shard 1 killed with SIGKILL mid-run: the worker finishes
     its epochs (exit 0), its waves moved to the standby, no update lost."""
     job = ["--epochs", "6", "--waves", "2", "--set", "shard_replicas=2", "--updates", "async"]
+    _, records, _ = _worker_through_a_stop(shard_daemons, tmp_path, job, signal.SIGKILL)
+    last = [r for r in read_records(records) if r["kind"] == "step"][-1]
+    assert last["lost_updates"] == 0
+
+
+def _worker_through_a_stop(shard_daemons, tmp_path, job, sig, *flags):
+    """A real worker of two waves (``job``, and its own ``flags``) on two shards with standbys,
+    shard 1 sent ``sig`` once wave 0 made 20 steps: the worker finishes (exit 0), its waves
+    moved to the standby. Returns the worker's log, wave 0's records and the daemons."""
     daemons = shard_daemons(job, count=2, expect_waves=2, standbys=True)
-    records = tmp_path / "run" / "records" / "worker-0-wave-0.jsonl"
-    args = ["worker", *job, "--threads", "1", "--run-dir", str(tmp_path / "run")]
+    run = tmp_path / "run"
+    records = run / "records" / "worker-0-wave-0.jsonl"
+    args = ["worker", *job, "--threads", "1", "--run-dir", str(run), *flags]
     for a in daemons.addresses:
         args += ["--shard", a]
     with forked(args, tmp_path / "worker.log") as worker:
         wait_for(lambda: _steps(records) >= 20, 90, "training did not start")
-        daemons.procs[1].send_signal(signal.SIGKILL)
+        daemons.procs[1].send_signal(sig)
         code = worker.wait(180)
     text = (tmp_path / "worker.log").read_text()
     assert code == 0, text[-3000:]
     assert "moves to its standby" in text
-    last = [r for r in read_records(records) if r["kind"] == "step"][-1]
-    assert last["lost_updates"] == 0
+    return text, records, daemons
 
 
 def _steps(path):
@@ -225,18 +234,8 @@ def test_waves_pulling_during_forward_follow_a_shard_that_handed_itself_over(
     in hand) is not held until the baton gives up on it."""
     job = ["--epochs", "4", "--waves", "2", "--updates", "wave-turns"]
     job += ["--pull-during-forward", "true", "--set", "baton_timeout_s=120"]
-    daemons = shard_daemons(job, count=2, expect_waves=2, standbys=True)
-    run = tmp_path / "run"
-    records = run / "records" / "worker-0-wave-0.jsonl"
-    args = ["worker", *job, "--threads", "1", "--run-dir", str(run), "--transport", "tcp"]
-    for a in daemons.addresses:
-        args += ["--shard", a]
-    with forked(args, tmp_path / "worker.log") as worker:
-        wait_for(lambda: _steps(records) >= 20, 90, "training did not start")
-        daemons.procs[1].send_signal(signal.SIGTERM)
-        code = worker.wait(180)
-    text = (tmp_path / "worker.log").read_text()
-    assert code == 0, text[-3000:]
-    assert "moves to its standby" in text
+    text, _, daemons = _worker_through_a_stop(
+        shard_daemons, tmp_path, job, signal.SIGTERM, "--transport", "tcp"
+    )
     assert "skipped stalled wave" not in text
     assert "silent for over" not in (daemons.tmp / "ps-0.log").read_text()
