@@ -367,5 +367,7 @@ class ShardService(PushesAndReads):
     ) -> Outgoing:
         self.count_refusal(code)
         self.members.count_rejection(header, code)
-        log.warning("rejected request %d: [%s] %s", request_id, code, message)
+        # a moved shard's answer is the protocol at work (logged once, when it moved): no alarm
+        level = logging.INFO if code == ErrorCode.MOVED else logging.WARNING
+        log.log(level, "rejected request %d: [%s] %s", request_id, code, message)
         return Outgoing(peer, error_header(request_id, code, message))

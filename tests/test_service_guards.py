@@ -161,17 +161,19 @@ def test_a_wave_dropped_for_silence_leaves_nothing_behind(tmp_path):
         service.close()
 
 
-def test_a_shard_that_moved_drops_no_wave_for_silence(tmp_path, caplog):
-    """Its waves talk to its standby now: their silence here is no news to log or act on."""
+def test_a_shard_that_moved_answers_without_alarm_and_drops_no_wave_for_silence(tmp_path, caplog):
+    """Its waves talk to its standby now: a request is told where it went, and their silence
+    here is no news to log or act on."""
     service = service_for(tmp_path, shm=False)
     try:
         wave = ServiceWave(service)
         wave.join()
         service.moved_to = "tcp://127.0.0.1:1"
         with caplog.at_level("WARNING"):
+            assert wave.request(Op.PULL, clock=0).body["code"] == "moved"
             service.tick(now=time.monotonic() + 1e6)
         assert ("w0", 0) in service.clocks.live
-        assert "silent" not in caplog.text
+        assert not caplog.records, caplog.text
     finally:
         service.close()
 
