@@ -200,6 +200,9 @@ class Seed(Body):
     state: dict[str, Any]  # the shard's state dict, tensors replaced by their frame index
     clocks: list[list]  # [worker, wave, clock] of every wave, as committed by updates
     promote: bool = False  # the primary is stopping: take the shard over now
+    # with ``promote``: the open synchronous steps (ps/synchronous.py), tensors as in ``state``;
+    # ``clocks`` then count the pushes in them
+    open_steps: dict[str, Any] = field(default_factory=dict)
     hello: bool = False  # no state: the primary says who it is (shard_replicas = 1)
 
 

@@ -25,8 +25,9 @@ import zmq
 # 5: standbys (seed, replicate; moved and not_primary errors; RegisterReply.standby);
 # 6: attach offers the wave's memory (AttachRequest.memory_*), pushes in parts (more);
 # 7: a push says which batch its compute_s measured (PushRequest.compute_samples);
-# 8: small tensors travel packed in one frame (Header.pack_below)
-PROTOCOL_VERSION = 8
+# 8: small tensors travel packed in one frame (Header.pack_below); 9: a hand-over passes the
+# open synchronous steps on (Seed.open_steps)
+PROTOCOL_VERSION = 9
 
 # A frame of its own costs a sender some microseconds in pyzmq and ZeroMQ whatever its size, and
 # a tracked zero-copy frame (a shard's weight replies) several times that, where copying a small

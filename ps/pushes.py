@@ -197,9 +197,12 @@ class PushesAndReads:
             for wave, clock in self.checkpoints.restore():
                 self.members.restore(wave, clock)
 
-    def replicated_clocks(self) -> list[list]:
-        """[worker, wave, clock, live] per wave, with the clock its pushes reached in applied
-        updates: a push still in an open synchronous sum is not counted, so after a take-over
-        the standby asks for it again (it dies with the primary's open sum)."""
-        committed = self.updates.committed_clocks(self.clocks.clocks)
-        return [[w[0], w[1], c, w in self.clocks.live] for w, c in committed.items()]
+    def replicated_clocks(self, committed: bool = True) -> list[list]:
+        """[worker, wave, clock, live] per wave. ``committed``: the clock its pushes reached in
+        applied updates: a push still in an open synchronous sum is not counted, so after a
+        take-over the standby asks for it again (it dies with the primary's open sum); a
+        hand-over, which passes the open sums on, counts them."""
+        clocks = self.clocks.clocks
+        if committed:
+            clocks = self.updates.committed_clocks(clocks)
+        return [[w[0], w[1], c, w in self.clocks.live] for w, c in clocks.items()]

@@ -4,7 +4,8 @@ The standby of shard ``i`` is hosted by another shard's process (the next one, o
 where the job spans nodes). The primary connects to it at start and sends:
 
 - ``seed``: its whole state (weights, optimizer state, version, the waves' clocks), when the
-  standby first connects or needs it again, and when the primary hands itself over (stopping);
+  standby first connects or needs it again, and when the primary hands itself over (stopping,
+  or moving off a slow node), then with its open synchronous steps;
 - ``replicate`` (``shard_replicas = 2``): every update it applies, as the gradients and learning
   rate it applied them with, so that the standby's optimizer takes the same step (the same
   arithmetic on the same values: the copies stay equal), and the clocks the update leaves;
@@ -165,13 +166,16 @@ class Replicator:
 
     def seed(self, service, promote: bool = False) -> None:
         """The whole shard, as it is now, to the standby (``promote``: and take it over)."""
-        state = service.shard.state_dict()
-        skeleton, tensors = state_to_wire(state)
+        # a hand-over passes the open synchronous steps on too: no push in them is given again
+        # or lost; a copy kept in step holds applied updates only
+        open_steps = service.updates.open_steps() if promote else {}
+        (state, steps), tensors = state_to_wire([service.shard.state_dict(), open_steps])
         body = Seed(
             token=self.token,
-            state=skeleton,
-            clocks=service.replicated_clocks(),
+            state=state,
+            clocks=service.replicated_clocks(committed=not promote),
             promote=promote,
+            open_steps=steps if open_steps else {},
         )
         self._send(Op.SEED, body, tensors)
         self.sent = service.shard.version

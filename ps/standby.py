@@ -16,10 +16,13 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from wavelet.common.messages import Ack, ReplicaUpdate, Seed
 from wavelet.common.protocol import ErrorCode, Header, Op, ProtocolError
 from wavelet.ps.owners import Peer
 from wavelet.ps.replication import state_from_wire
+from wavelet.ps.synchronous import OpenSteps, SyncGroups
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ class StandbyRole:
         self.handed_over = False
         self.promoted = False
         self.clocks: list[list] = []  # the waves' clocks as of the primary's last message
+        # a hand-over's open synchronous steps, taken on with the clocks at the take-over (the
+        # standby closes no step before: it knows no wave until then)
+        self.open_steps: OpenSteps | None = None
         self.seeds = 0
         self.updates = 0
 
@@ -55,12 +61,17 @@ class StandbyRole:
         if body.hello:
             return Ack(shard.version)
         state = state_from_wire(body.state, list(tensors))
+        steps = None
+        if body.promote and body.open_steps:  # read whole before anything changes
+            shapes = _gradient_shapes(state)
+            steps = SyncGroups.read_open(state_from_wire(body.open_steps, list(tensors)), shapes)
         if not shard.initialized:
             shard.load_state_dict(state)
         else:  # a newer state of the same shard: the same plan, new values
             shard.check_plan(state.get("plan", ""))
             shard.reload(state)
         self.clocks = body.clocks
+        self.open_steps = steps
         self.seeds += 1
         if body.promote:
             self.handed_over = True
@@ -133,6 +144,8 @@ class StandbyRole:
         grace = HANDOVER_GRACE_S if self.handed_over else REJOIN_GRACE_S
         lease = min(grace, timeout)
         service.took_over(self.clocks, lease)
+        if self.open_steps is not None:
+            service.updates.sync.take_open(self.open_steps)
         log.warning(
             "standby of shard %d takes the shard over (%s) at version %d%s",
             self._index,
@@ -157,3 +170,14 @@ class StandbyRole:
             "seeds": self.seeds,
             "replicated_updates": self.updates,
         }
+
+
+def _gradient_shapes(state: dict) -> dict[int, tuple[torch.Size, torch.dtype]]:
+    """Each trainable chunk's (shape, dtype) in a seed's shard state: what its sums must be."""
+    try:
+        chunks = zip(state["keys"], state["values"], state["trainable"], strict=True)
+        return {k: (v.shape, v.dtype) for k, v, trainable in chunks if trainable}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"a seed's shard state is malformed: {e}"
+        ) from None

@@ -33,10 +33,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import torch
 
-from wavelet.common.protocol import ErrorCode, ProtocolError
+from wavelet.common.protocol import ErrorCode, ProtocolError, check_type
 from wavelet.ps.staleness import ClockTable, WaveId
 
 
@@ -100,6 +101,53 @@ class SyncSum:
         self._weights += samples
         self._lr_sum += lr_scale
 
+    def to_state(self, now: float) -> dict[str, Any]:
+        """This open sum as plain values and tensors, for a planned hand-over (its times as
+        ages: the standby's clock may be another host's)."""
+        return {
+            "clock": self.clock,
+            "count": self.count,
+            "lr_sum": self._lr_sum,
+            "weight0": self._weight0,
+            "weights": self._weights,
+            "weighted": self._weighted,
+            "age": now - self.opened_at,
+            "arrived": [now - t for t in self.arrived],
+            "first_push": [[w[0], w[1], c] for w, c in self.first_push.items()],
+            "sum": self._sum,
+        }
+
+    @classmethod
+    def from_state(
+        cls, state: Any, now: float, shapes: dict[int, tuple[torch.Size, torch.dtype]]
+    ) -> SyncSum:
+        """``to_state``'s inverse; ``shapes``: each trainable chunk's (shape, dtype) a gradient
+        of it must have. Raises TypeError or ValueError on anything else."""
+        check_type(state, dict, "an open sum")
+        s = cls()
+        s.open = True
+        s.clock, s.count = _typed(state, "clock", int), _typed(state, "count", int)
+        s._weight0, s._weights = _typed(state, "weight0", int), _typed(state, "weights", int)
+        s._lr_sum = _number(state["lr_sum"])
+        s._weighted = _typed(state, "weighted", bool)
+        s.opened_at = now - _number(state["age"])
+        s.arrived = [now - _number(a) for a in _typed(state, "arrived", list)]
+        for entry in _typed(state, "first_push", list):
+            worker, index, clock = entry
+            wave = (check_type(worker, str, "worker"), check_type(index, int, "wave"))
+            s.first_push[wave] = check_type(clock, int, "clock")
+        grads = state.get("sum")
+        if grads is not None:
+            for k, g in check_type(grads, dict, "sum").items():
+                if k not in shapes or not isinstance(g, torch.Tensor):
+                    raise ValueError(f"a sum for chunk {k!r}, which this shard does not train")
+                if (g.shape, g.dtype) != shapes[k]:
+                    raise ValueError(f"chunk {k}'s sum is {list(g.shape)} {g.dtype}")
+            s._sum = grads
+        if min(s.clock, s.count, s._weight0, s._weights) < 0:
+            raise ValueError("a negative clock or count")
+        return s
+
     def mean(self) -> tuple[dict[int, torch.Tensor], float, int] | None:
         """The mean gradient, the mean learning-rate factor and how many gradients were
         averaged (None: every wave skipped); closes the clock. A chunk some pushes had no
@@ -114,6 +162,14 @@ class SyncSum:
         self._sum, self.open, self.count, self._lr_sum = None, False, 0, 0.0
         self._weights, self._weighted = 0, False
         return out
+
+
+class OpenSteps(NamedTuple):
+    """A planned hand-over's open steps, read back (``SyncGroups.read_open``)."""
+
+    sums: dict[Hashable, SyncSum]
+    closed_clock: dict[Hashable, int]
+    step_s: dict[Hashable, deque[float]]
 
 
 class SyncGroups:
@@ -202,6 +258,41 @@ class SyncGroups:
         s.add(s.clock if s.open else closed + 1, grads, lr, samples, False, (wave, clock))
         return "folded"
 
+    def open_state(self) -> dict[str, Any]:
+        """What a planned hand-over passes on besides the shard (``ps/replication.py``): each
+        group's open sum and the steps already closed, so that the standby closes them as this
+        shard would have and no push in them is lost (a late one folded in included)."""
+        now = time.monotonic()
+        return {
+            "open": [[g, s.to_state(now)] for g, s in self.sums.items() if s.open],
+            "closed": [[g, c] for g, c in self.closed_clock.items()],
+            "step_s": [[g, list(t)] for g, t in self.step_s.items()],
+        }
+
+    @staticmethod
+    def read_open(
+        state: dict[str, Any], shapes: dict[int, tuple[torch.Size, torch.dtype]]
+    ) -> OpenSteps:
+        """``open_state``'s sums read back, checked whole (``shapes``: each trainable chunk's
+        gradient shape and dtype); a malformed one is a ``malformed`` protocol error."""
+        now = time.monotonic()
+        try:
+            return OpenSteps(
+                {_group(g): SyncSum.from_state(s, now, shapes) for g, s in state["open"]},
+                {_group(g): check_type(c, int, "clock") for g, c in state["closed"]},
+                {_group(g): deque(map(_number, ts), maxlen=16) for g, ts in state["step_s"]},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(
+                ErrorCode.MALFORMED, f"the open steps handed over are malformed: {e}"
+            ) from None
+
+    def take_open(self, steps: OpenSteps) -> None:
+        """Go on with a planned hand-over's open steps (a standby taking the shard over)."""
+        self.sums.update(steps.sums)
+        self.closed_clock.update(steps.closed_clock)
+        self.step_s.update(steps.step_s)
+
     def first_unapplied(self, wave: WaveId) -> int | None:
         """The clock of ``wave``'s earliest push still in its group's open sum (None: none)."""
         s = self.sums.get(self.group_of(wave))
@@ -269,3 +360,20 @@ class SyncGroups:
             if mean is not None:
                 out.append(mean)
         return out
+
+
+def _typed(state: Any, name: str, kind) -> Any:
+    return check_type(state[name], kind, name)
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _group(group: Any) -> Hashable:
+    """A group's key as a hand-over carries it: a wave index, or "all"."""
+    if isinstance(group, bool) or not isinstance(group, int | str):
+        raise TypeError(f"a group must be a wave index or a name, got {group!r}")
+    return group

@@ -202,6 +202,10 @@ class Updates:
         """The batch ``wave`` should take next (balanced batches; 0: the job's)."""
         return self.balancer.batch_for(wave, self.clocks.live)
 
+    def open_steps(self) -> dict:
+        """The open synchronous steps as a planned hand-over passes them on (empty: none)."""
+        return self.sync.open_state() if self.synchronous else {}
+
     def committed_clocks(self, clocks: dict[WaveId, int]) -> dict[WaveId, int]:
         """``clocks`` less the pushes still in an open synchronous sum (applied in no update
         yet): the clocks a copy of this shard's applied updates stands for. A wave whose late
