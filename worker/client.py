@@ -4,6 +4,8 @@ Each wave owns a DEALER socket per shard (ZeroMQ sockets are not thread-safe, an
 keep the two waves' traffic independent). A request goes to all shards before any reply is awaited,
 and every wait has a deadline and notices a stop request. Tensors travel through the wave's data
 path (worker/datapath.py: frames or shared memory); this module never touches their bytes.
+Sending and gathering are ``Exchanges`` (worker/exchanges.py); following a shard that went away
+is ``Recovery`` (worker/recovery.py).
 """
 
 from __future__ import annotations
@@ -32,23 +34,17 @@ from wavelet.common.protocol import (
     Op,
     RemoteError,
     ShardError,
-    ShardTimeout,
     decode_reply,
-    raise_for_error,
-    send_message,
 )
 from wavelet.common.security import ClientKeys
 from wavelet.common.sharding import ShardingPlan
 from wavelet.worker.datapath import WaveDataPath
+from wavelet.worker.exchanges import Exchanges
 from wavelet.worker.links import ShardLinks
 from wavelet.worker.recovery import Recovery
 from wavelet.worker.rounds import (
-    BudgetSpent,
-    Exchange,
-    PullParts,
     PullResult,
     PushRound,
-    StopRequested,
 )
 
 GOODBYE_S = 2.0  # how long a stopping wave waits for the shards to take its leave
@@ -56,7 +52,7 @@ GOODBYE_S = 2.0  # how long a stopping wave waits for the shards to take its lea
 log = logging.getLogger(__name__)
 
 
-class PSClient(Recovery):
+class PSClient(Recovery, Exchanges):
     """Talks to all shards for one wave (``worker``, ``wave``) about one model's tensors."""
 
     def __init__(
@@ -331,166 +327,3 @@ class PSClient(Recovery):
 
     def _all(self, op: Op, **fields) -> list[tuple[Header, list[torch.Tensor]]]:
         return self._exchange([(self._header(op, **fields), []) for _ in self.links.links]).replies
-
-    def _exchange(
-        self,
-        messages: list[tuple[Header, list[torch.Tensor]]],
-        recover: Callable[[int], tuple[Header, list[torch.Tensor]]] | None = None,
-        pull: bool = False,
-    ) -> Exchange:
-        """Send message i to shard i, then gather every reply (or raise on the first error);
-        ``pull``: the replies are weights, loaded as they come (``_open_exchange``).
-
-        With ``recover``, a shard that restarted (its connection dropped and came back) is not
-        waited for: ``recover(i)`` re-joins it and its result stands in for shard i's reply."""
-        exchange = self._open_exchange(pull)
-        for i, (h, tensors) in enumerate(messages):
-            self._send_in(exchange, i, h, tensors, recover)
-        self._gather(exchange, recover)
-        return exchange
-
-    def _open_exchange(self, pull: bool = False) -> Exchange:
-        """A new request id's exchange; ``pull``: its replies are weights, loaded into our
-        tensors part by part as they arrive (``PullParts``)."""
-        self._watch_connections(block_ms=0)
-        return Exchange(
-            next(self._ids), [None] * len(self.links), pull=PullParts(self) if pull else None
-        )
-
-    def _send_in(self, exchange: Exchange, i: int, h: Header, tensors, recover) -> None:
-        """Message ``h`` of ``exchange`` to shard ``i``, queued without waiting."""
-        if recover is not None and self.links[i].restarted:
-            exchange.take_rejoin(i, self._rejoin(i, recover))
-            return
-        h.request_id = exchange.request_id
-        if not self._try_send(i, h, tensors):
-            exchange.unsent[i] = (h, tensors)  # no connection yet: retried in _gather
-
-    def _gather(
-        self,
-        exchange: Exchange,
-        recover,
-        until: Callable[[], bool] | None = None,
-        once: bool = False,
-    ) -> list[tuple[Header, list[torch.Tensor]]]:
-        """Every reply of ``exchange`` (or raise on the first error), under one deadline; with
-        ``until``, only until ``until()`` holds, and ``once``: only what has arrived, without
-        waiting (some replies may then still be missing)."""
-        rid, replies, unsent = exchange.request_id, exchange.replies, exchange.unsent
-        deadline = time.monotonic() + self.timeout_s
-        while any(r is None for r in replies) and not (until is not None and until()):
-            if self.stop.is_set():
-                raise StopRequested()
-            if self.budget_ends is not None and time.monotonic() > self.budget_ends:
-                raise BudgetSpent()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = [self.addresses[i] for i, r in enumerate(replies) if r is None]
-                raise ShardTimeout(
-                    f"no reply within {self.timeout_s:.0f}s from shard(s) {', '.join(missing)}; "
-                    "check that `wavelet ps` runs there and the address is right",
-                    missing,
-                )
-            for i in [i for i in unsent if self._try_send(i, *unsent[i])]:
-                del unsent[i]
-            wait_s = 0.0 if once else min(left, 0.05 if unsent else 0.2)
-            # Never a blocking read below: a re-join while handling one ready socket may read
-            # what the same poll found ready on another (its reply, its connection events).
-            for sock, _ in self.links.poller.poll(wait_s * 1000):
-                monitor, i = self.links.which(sock)
-                if i < 0:
-                    continue  # closed since the poll: its link moved
-                if monitor:
-                    self._on_monitor_event(sock)
-                    continue
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    continue
-                h, tensors = decode_reply(frames, self.addresses[i])
-                self.links.answered(i)
-                if h.request_id != rid or replies[i] is not None:
-                    continue  # a late answer to a request we gave up on or recovered from
-                if h.op == Op.ERROR:
-                    code = h.body.get("code")
-                    if recover is not None and code == ErrorCode.NOT_REGISTERED:
-                        # dropped from the membership (silent too long): join again
-                        exchange.take_rejoin(i, self._rejoin(i, recover))
-                        continue
-                    if recover is not None and code == ErrorCode.MOVED and self.links[i].standby:
-                        # the shard handed itself to its standby (it was stopped): follow it
-                        self.links[i].down_since = time.monotonic()
-                        exchange.take_rejoin(i, self._fail_over(i, recover, handed=True))
-                        continue
-                    raise_for_error(h, self.addresses[i])
-                exchange.take(i, (h, tensors))
-            for i, r in enumerate(replies):
-                if r is not None:
-                    continue
-                link = self.links[i]
-                if recover is not None and link.restarted:
-                    unsent.pop(i, None)  # the re-join's pull stands in for it
-                    exchange.take_rejoin(i, self._rejoin(i, recover))
-                elif recover is not None and link.down_since is not None and link.standby:
-                    unsent.pop(i, None)
-                    exchange.take_rejoin(i, self._fail_over(i, recover))
-                elif self.links.lost(i):
-                    raise self._lost(i)
-            if once:
-                break
-        return replies
-
-    def _try_send(self, i: int, header: Header, tensors: list[torch.Tensor]) -> bool:
-        """Queue a message for shard ``i`` without waiting; False while it cannot be queued."""
-        try:
-            send_message(self.links[i].socket, header, tensors, flags_nonblocking=True)
-        except zmq.Again:
-            return False
-        return True
-
-    def _send(self, i: int, header: Header, tensors: list[torch.Tensor]) -> None:
-        try:
-            send_message(self.links[i].socket, header, tensors)
-        except zmq.Again:  # no connection to queue on within SNDTIMEO
-            raise ShardTimeout(
-                f"could not send to shard {self.addresses[i]} within {self.timeout_s:.0f}s; "
-                "check that `wavelet ps` runs there, the address and, with CURVE, the keys",
-                [self.addresses[i]],
-            ) from None
-
-    def _watch_connections(self, block_ms: int) -> None:
-        for link in self.links.links:
-            while link.monitor.poll(block_ms):
-                self._on_monitor_event(link.monitor)
-
-    def _on_monitor_event(self, mon: zmq.Socket) -> None:
-        i = self.links.which(mon)[1]
-        if i >= 0:
-            self.links.take_event(i)
-
-    def _request_one(self, i: int, header: Header, tensors=()) -> Header:
-        return self._request_one_reply(i, header, tensors)[0]
-
-    def _request_one_reply(self, i: int, header: Header, tensors=()):
-        header.request_id = rid = next(self._ids)
-        sock = self.links[i].socket
-        self._send(i, header, list(tensors))
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if self.stop.is_set():
-                raise StopRequested()
-            if sock.poll(200):
-                h, out = decode_reply(sock.recv_multipart(copy=False), self.addresses[i])
-                self.links.answered(i)
-                if h.request_id != rid:
-                    continue
-                raise_for_error(h, self.addresses[i])
-                return h, out
-            self.links.watch()
-            if self.links.lost(i):
-                raise self._lost(i)
-        raise ShardTimeout(
-            f"shard {self.addresses[i]} did not answer {header.op} within "
-            f"{self.timeout_s:.0f}s after reconnecting",
-            [self.addresses[i]],
-        )
