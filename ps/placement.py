@@ -26,13 +26,25 @@ class SpeedPlacement:
         standby_node: int,
         node_of_worker: Callable[[int], int],
         factor: float = SLOW_FACTOR,
+        hosted_node: int | None = None,  # the node of the shard whose standby this process hosts
     ):
         self.service = service
         self.own_node = own_node
         self.standby_node = standby_node
         self.node_of_worker = node_of_worker
         self.factor = factor
+        self.hosted_node = hosted_node
+        self.avoided: set[int] = set()  # nodes no shard of this process moves onto
         self.why = ""
+
+    def hosted_shard_taken_over(self) -> None:
+        """The standby this process hosts took its shard over from ``hosted_node`` (that node
+        was slow, stopping or lost): this shard never moves there. Serving two shards then
+        slows this node's workers (1.3-1.4x measured under a co-tenant), and a co-tenant's free
+        period made this shard follow the other onto the node it had just left, where the cap,
+        coming back, held both shards and every wave with them."""
+        if self.hosted_node is not None:
+            self.avoided.add(self.hosted_node)
 
     def node_speeds(self) -> dict[int, float]:
         """Each node's workers' mean samples per second of compute, from their pushes."""
@@ -49,7 +61,7 @@ class SpeedPlacement:
     def due(self) -> bool:
         """Whether this shard should move to its standby now (its node is slow, the standby's
         is not)."""
-        if self.own_node == self.standby_node:
+        if self.own_node == self.standby_node or self.standby_node in self.avoided:
             return False
         speeds = self.node_speeds()
         mine, theirs = speeds.get(self.own_node), speeds.get(self.standby_node)

@@ -272,6 +272,8 @@ class ShardServer:
             _write_atomically(Path(cfg.standby_takeover_file), self.hosted.address)
         if self.on_takeover is not None:
             self.on_takeover(cfg.stands_by_for, self.hosted.address)
+        if self.placement is not None:
+            self.placement.hosted_shard_taken_over()
 
     on_takeover = None  # a callback (shard index, address): wavelet run publishes it
 

@@ -255,6 +255,7 @@ def _shard(config: RunConfig, role: Role, layout: Layout, index: int, store) -> 
                 own_node=role.node,
                 standby_node=standby_of_mine // layout.shards_per_node,
                 node_of_worker=lambda rank: rank // layout.workers_per_node,
+                hosted_node=hosted // layout.shards_per_node,
             )
     store.set(_key(role, f"shard/{index}"), server.address)
     store.set(_key(role, f"process/{index}"), server.address)  # kept where a standby takes over

@@ -417,6 +417,27 @@ def test_a_node_freed_a_moment_ago_takes_no_shard_until_it_stays_fast(tmp_path):
         service.close()
 
 
+def test_no_shard_follows_another_onto_the_node_it_left(tmp_path):
+    """Two nodes: shard 1 left node 1 for its standby in shard 0's process on node 0. Serving
+    both slows node 0's workers, and in a co-tenant's free period node 1 runs faster than node
+    0 for a while: shard 0 must not move onto node 1, where the cap would come back."""
+    from wavelet.ps.balance import WARMUP, WINDOW
+    from wavelet.ps.placement import SpeedPlacement
+
+    service = service_for(tmp_path, job={"staleness": 0})
+    try:
+        placement = SpeedPlacement(service, 0, 1, node_of_worker=lambda r: r, hosted_node=1)
+        balancer = service.updates.balancer
+        for _ in range(WARMUP + WINDOW):
+            balancer.record(("w0", 0), 32, 0.2)  # 160 samples/s
+            balancer.record(("w1", 0), 32, 0.1)  # 320 samples/s
+        assert placement.due()  # before the take-over, node 1 is simply the faster
+        placement.hosted_shard_taken_over()
+        assert not placement.due()
+    finally:
+        service.close()
+
+
 def _capped(run_dir: Path) -> dict[int, list[str]]:
     """The processes of this run in a --slow-device cgroup, and the cgroups' names."""
     from helpers import processes_mentioning
