@@ -9,9 +9,10 @@ import zmq
 from conftest import run_wavelet
 from helpers import TIMEOUT_S, RawClient, client_for, tiny_model
 
+from wavelet.common.protocol import ShardTimeout
 from wavelet.common.security import ClientKeys, JobKeys, check_bind, generate_keys, is_loopback
 from wavelet.common.settings import ConfigError
-from wavelet.worker.client import PSClient, ShardTimeout
+from wavelet.worker.client import PSClient
 
 
 @pytest.fixture
