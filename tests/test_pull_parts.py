@@ -1,5 +1,5 @@
 """Pulling during forward: shards answer in parts, in the model's order, and each layer's forward
-waits for its own weights only (ps/datapath.py, worker/client.py, worker/pull_hooks.py)."""
+waits for its own weights only (ps/datapath.py, worker/rounds.py, worker/pull_hooks.py)."""
 
 import threading
 import time
