@@ -1,26 +1,19 @@
 """Update rules that do not wait for the slowest: balanced batches keep a step the mean over all
 its samples (one process on the concatenated batch, to 1e-5); k of n with every wave on time is
-bulk-synchronous; a late push is folded or dropped as the policy says. And the CPU caps the
-benchmarks emulate slow nodes with, and their bad input."""
+bulk-synchronous; a late push is folded or dropped as the policy says. The CPU caps that emulate
+slow nodes are tested in test_cpu_caps.py, moving shards off them in test_placement.py."""
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CHILD_ENV
 from helpers import ServiceWave, reply_of, service_for, tiny_model
 
-from wavelet.common import throttle
 from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import Op
 from wavelet.common.sharding import chunk_view
 from wavelet.ps.synchronous import SyncGroups
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _batch(seed: int, n: int):
@@ -312,174 +305,3 @@ def _push_log(run_dir: Path) -> list[dict]:
     from wavelet.common.records import read_records
 
     return list(read_records(run_dir / "records" / "ps-0-pushes.jsonl"))
-
-
-def test_a_cpu_cap_holds_whatever_its_processes_start_and_kills_them_all():
-    why = throttle.why_not()
-    if why:
-        pytest.skip(why)
-    cap = throttle.CpuCap("test", cores=1, pct=30)
-    try:
-        if cap.v2:
-            assert (cap.path / "cpu.max").read_text().split() == ["30000", "100000"]
-        else:
-            assert (cap.path / "cpu.cfs_quota_us").read_text().strip() == "30000"
-        proc = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"])
-        cap.add(proc.pid)
-        # children started after the move are in it too
-        subprocess.run(["sh", "-c", f"kill -0 {proc.pid}"], check=True, timeout=10)
-        cap.set(None)  # lifted
-        if cap.v2:
-            assert (cap.path / "cpu.max").read_text().split()[0] == "max"
-        else:
-            assert (cap.path / "cpu.cfs_quota_us").read_text().strip() == "-1"
-        cap.kill_all()
-        assert proc.wait(10) == -9
-        assert cap.pids() == []
-    finally:
-        cap.close()
-    assert not cap.path.exists()
-
-
-@pytest.mark.parametrize(
-    "flags, says",
-    [
-        (["--slow", "5:50"], "is not one of the 2"),
-        (["--slow", "1:0"], "above 0 and below 100"),
-        (["--slow", "1:150"], "above 0 and below 100"),
-        (["--noisy", "1:10:10"], "expected NODE:ON_S:OFF_S:PCT"),
-        (["--leave", "0@10"], "NODE from 1 to 1"),
-    ],
-)
-def test_bad_caps_and_events_get_one_line_and_status_2(tmp_path, flags, says):
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cluster.py"), *flags, "--out", str(tmp_path)],
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
-    assert done.returncode == 2, done.stderr
-    assert says in done.stderr.strip().splitlines()[-1], done.stderr
-    assert not any(tmp_path.iterdir())  # nothing started
-
-
-def test_a_shard_on_a_node_measured_slow_moves_to_its_standbys_faster_node(tmp_path):
-    """Node 1's workers compute at half node 0's speed (their pushes say so): shard 1, on
-    node 1 with its standby on node 0, should move; shard 0 (node 0) should not; nor should
-    anything move before every node has been measured over MEASURED_PUSHES pushes."""
-    from wavelet.ps.balance import WARMUP
-    from wavelet.ps.placement import MEASURED_PUSHES, SpeedPlacement
-
-    service = service_for(tmp_path, job={"staleness": 0})
-    try:
-        placement = {
-            node: SpeedPlacement(service, node, 1 - node, node_of_worker=lambda r: r)
-            for node in (0, 1)
-        }
-        balancer = service.updates.balancer
-        for _ in range(WARMUP + MEASURED_PUSHES):
-            balancer.record(("w0", 0), 32, 0.1)  # 320 samples/s
-        assert not placement[1].due()  # node 1 not measured yet
-        for _ in range(WARMUP + MEASURED_PUSHES - 1):
-            balancer.record(("w1", 0), 32, 0.2)  # 160 samples/s
-        assert not placement[1].due()  # measured, but not often enough to move a shard
-        balancer.record(("w1", 0), 32, 0.2)
-        assert placement[1].due() and "2.0x slower" in placement[1].why
-        assert not placement[0].due()
-    finally:
-        service.close()
-
-
-def test_a_node_freed_a_moment_ago_takes_no_shard_until_it_stays_fast(tmp_path):
-    """Node 1's co-tenant has just left: two fast pushes make its batches follow at once (a new
-    pace), but moving node 0's shard there cannot be undone (a moved shard has no standby), so
-    it goes by the last WINDOW pushes: the cap may come back."""
-    from wavelet.ps.balance import MIN_WINDOW, WARMUP, WINDOW
-    from wavelet.ps.placement import SpeedPlacement
-
-    service = service_for(tmp_path, job={"staleness": 0})
-    try:
-        placement = SpeedPlacement(service, 0, 1, node_of_worker=lambda r: r)
-        balancer = service.updates.balancer
-        for _ in range(WARMUP + WINDOW):
-            balancer.record(("w0", 0), 32, 0.15)  # 213 samples/s
-            balancer.record(("w1", 0), 8, 0.2)  # capped: 40 samples/s, a small batch
-        for _ in range(MIN_WINDOW):
-            balancer.record(("w1", 0), 8, 0.02)  # freed: 400 samples/s
-        assert balancer.speed[("w1", 0)] == pytest.approx(400)  # the batches follow now
-        assert not placement.due()
-        for _ in range(WINDOW - MIN_WINDOW):
-            balancer.record(("w1", 0), 8, 0.02)  # it stays fast
-        assert placement.due() and "1.9x slower" in placement.why
-    finally:
-        service.close()
-
-
-def test_no_shard_follows_another_onto_the_node_it_left(tmp_path):
-    """Two nodes: shard 1 left node 1 for its standby in shard 0's process on node 0. Serving
-    both slows node 0's workers, and in a co-tenant's free period node 1 runs faster than node
-    0 for a while: shard 0 must not move onto node 1, where the cap would come back."""
-    from wavelet.ps.balance import WARMUP, WINDOW
-    from wavelet.ps.placement import SpeedPlacement
-
-    service = service_for(tmp_path, job={"staleness": 0})
-    try:
-        placement = SpeedPlacement(service, 0, 1, node_of_worker=lambda r: r, hosted_node=1)
-        balancer = service.updates.balancer
-        for _ in range(WARMUP + WINDOW):
-            balancer.record(("w0", 0), 32, 0.2)  # 160 samples/s
-            balancer.record(("w1", 0), 32, 0.1)  # 320 samples/s
-        assert placement.due()  # before the take-over, node 1 is simply the faster
-        placement.hosted_shard_taken_over()
-        assert not placement.due()
-    finally:
-        service.close()
-
-
-def _capped(run_dir: Path) -> dict[int, list[str]]:
-    """The processes of this run in a --slow-device cgroup, and the cgroups' names."""
-    from helpers import processes_mentioning
-
-    found = {}
-    for pid in processes_mentioning(str(run_dir)):
-        try:
-            names = re.findall(r"wavelet-device0-\w+", Path(f"/proc/{pid}/cgroup").read_text())
-        except OSError:  # it ended meanwhile
-            continue
-        if names:
-            found[pid] = names
-    return found
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_slow_device_caps_that_devices_processes_in_every_mode(tmp_path):
-    """``--slow-device 0:50``: the worker of device 0 (PS mode) or its rank (all-reduce) runs in
-    a capped cgroup while the job runs; the cgroup goes with the job. A device the job does not
-    have is refused in one line."""
-    from conftest import forked, wait_for
-
-    why = throttle.why_not()
-    if why:
-        pytest.skip(why)
-    for mode in ("ps", "allreduce"):
-        run_dir = tmp_path / mode
-        args = ["launch", "--run-dir", str(run_dir), "--epochs", "30", "--mode", mode]
-        args += ["--slow-device", "0:50", "--shards", "1"]
-        with forked(args, tmp_path / f"{mode}.log") as launcher:
-            wait_for(lambda run_dir=run_dir: _capped(run_dir), 90, "no process under the cap")
-            capped = _capped(run_dir)
-            commands = [Path(f"/proc/{p}/cmdline").read_bytes() for p in capped]
-            assert all(b"worker" in c for c in commands), commands
-            launcher.terminate()
-            launcher.wait(60)
-        groups = {name for names in capped.values() for name in names}
-        paths = [root / g for g in groups for root in (throttle.V1, throttle.V2)]
-        left = [p for p in paths if p.exists()]
-        assert len(groups) == 1 and not left, (groups, left)
-    from conftest import run_wavelet
-
-    bad = run_wavelet("launch", "--slow-device", "3:50", timeout=60)
-    assert bad.returncode == 2 and "is not one of the 1" in bad.stderr, bad.stderr
