@@ -78,6 +78,24 @@ def run_wavelet(
         )
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(
+    script: str, *args: str, timeout: float, env: dict | None = None, cwd=ROOT
+) -> subprocess.CompletedProcess:
+    """``python benchmarks/SCRIPT ARGS`` to completion in a new Python, output and errors
+    captured (``env``: the children's, ``CHILD_ENV``, unless given)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        env=CHILD_ENV if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
 def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.1) -> None:
     """Poll ``predicate`` until it holds; TimeoutError naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

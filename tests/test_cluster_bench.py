@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CHILD_ENV
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT, run_benchmark
 
 
 def _namespaces() -> set[str]:
@@ -29,10 +27,9 @@ def test_two_emulated_nodes_run_every_mode_and_report(tmp_path):
         pytest.skip("needs root, ip and tc")
     before = _namespaces()
     out = tmp_path / "cluster"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "cluster.py"),
+    done = run_benchmark(
+        "cluster.py",
+        *[
             "--config",
             "",
             "--rates",
@@ -53,11 +50,7 @@ def test_two_emulated_nodes_run_every_mode_and_report(tmp_path):
             "--move-slow-shards",
             "false",
         ],  # fmt: skip
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
         timeout=270,
-        cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _namespaces() == before  # removed what it made
@@ -77,14 +70,7 @@ def test_two_emulated_nodes_run_every_mode_and_report(tmp_path):
     assert "| ticktock |" in report and "| allreduce |" in report and "## 100mbit" in report
     # the records of a real run hold what benchmarks/turn_waits.py reads
     run = out / "100mbit" / "ticktock" / "seed0"
-    waits = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "turn_waits.py"), str(run)],
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    waits = run_benchmark("turn_waits.py", str(run), timeout=60)
     assert waits.returncode == 0, waits.stderr
     rows = [line.split("|") for line in waits.stdout.splitlines() if re.match(r"\| w\d", line)]
     assert [r[1].strip() for r in rows] == ["w0", "w1"], waits.stdout

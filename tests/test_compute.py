@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import CHILD_ENV
+from conftest import CHILD_ENV, ROOT, run_benchmark
 
 from wavelet.common.config import JobConfig
 from wavelet.common.datasets import build_dataset
@@ -127,13 +127,11 @@ def test_serve_returns_once_done(compute):
 
 
 def test_the_benchmark_runs_every_setting(tmp_path):
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(root / "benchmarks" / "bench_compute.py"),
+    done = run_benchmark(
+        "bench_compute.py",
+        *[
             "--config",
-            str(root / "configs" / "digits.toml"),
+            str(ROOT / "configs" / "digits.toml"),
             "--steps",
             "3",
             "--repeats",
@@ -142,8 +140,6 @@ def test_the_benchmark_runs_every_setting(tmp_path):
             "2",
         ],  # fmt: skip
         env={k: v for k, v in CHILD_ENV.items() if k != "OMP_NUM_THREADS"},
-        capture_output=True,
-        text=True,
         timeout=240,
         cwd=tmp_path,
     )

@@ -4,15 +4,12 @@ cleanly where no cgroup cpu controller is writable."""
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import CHILD_ENV
+from conftest import run_benchmark
 
 from wavelet.common import throttle
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_cpu_cap_holds_whatever_its_processes_start_and_kills_them_all():
@@ -53,14 +50,7 @@ def test_a_cpu_cap_holds_whatever_its_processes_start_and_kills_them_all():
     ],
 )
 def test_bad_caps_and_events_get_one_line_and_status_2(tmp_path, flags, says):
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cluster.py"), *flags, "--out", str(tmp_path)],
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    done = run_benchmark("cluster.py", *flags, "--out", str(tmp_path), timeout=60)
     assert done.returncode == 2, done.stderr
     assert says in done.stderr.strip().splitlines()[-1], done.stderr
     assert not any(tmp_path.iterdir())  # nothing started

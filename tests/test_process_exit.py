@@ -3,12 +3,9 @@ finish, atexit callbacks run, buffered output is written, and the exit status is
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import CHILD_ENV
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import CHILD_ENV, run_benchmark
 
 SCRIPT = """
 import atexit, logging, sys, threading, time
@@ -46,14 +43,7 @@ def test_exit_now_keeps_what_python_does_on_its_way_out(tmp_path, code, status):
 
 @pytest.mark.timeout(120)
 def test_the_exit_benchmark_runs():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_exit.py"), "--rounds", "1"]
-        + ["--no-dynamo"],
-        env=CHILD_ENV,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    done = run_benchmark("bench_exit.py", "--rounds", "1", "--no-dynamo", timeout=100)
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["the interpreter's exit", "exit_now"]

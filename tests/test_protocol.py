@@ -1,13 +1,9 @@
-import subprocess
-import sys
-from pathlib import Path
-
 import msgpack
 import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import CHILD_ENV
+from conftest import run_benchmark
 
 from wavelet.common.protocol import (
     PACK_ALIGN,
@@ -23,7 +19,6 @@ from wavelet.common.protocol import (
     send_message,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 DTYPES = [
     torch.float32,
     torch.float64,
@@ -237,13 +232,8 @@ def test_no_pickle_anywhere():
 
 
 def test_the_frames_benchmark_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_frames.py")]
-        + ["--rounds", "1", "--messages", "3", "--width", "4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=CHILD_ENV,
+    out = run_benchmark(
+        "bench_frames.py", "--rounds", "1", "--messages", "3", "--width", "4", timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
     for message in ("push (untracked)", "weights reply (tracked)"):

@@ -2,18 +2,12 @@
 same tensor the one-by-one check would, and the served buffers are each buffer's own mean over
 the waves, as one buffer at a time gives them. And the benchmark that measures it runs."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import CHILD_ENV
+from conftest import run_benchmark
 from helpers import ServiceWave, service_for
 
 from wavelet.ps.shard import first_non_finite
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tensors():
@@ -96,14 +90,8 @@ def test_served_buffers_are_each_buffers_own_mean_over_the_waves(tmp_path, sampl
 
 
 def test_the_shard_cpu_benchmark_runs():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_shard_cpu.py")]
-        + ["--rounds", "1", "--pushes", "3", "--warmup", "1", "--width", "4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=CHILD_ENV,
-    )
+    args = ["--rounds", "1", "--pushes", "3", "--warmup", "1", "--width", "4"]
+    out = run_benchmark("bench_shard_cpu.py", *args, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "CPU ms per push in ShardService.handle" in out.stdout
     for part in ("finite check", "buffers' mean"):
