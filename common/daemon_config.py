@@ -41,6 +41,16 @@ DAEMON_METRICS_PORT_HELP = (
 )
 
 
+def check_quorum(job: JobConfig, waves: int) -> None:
+    """A k-of-n quorum the job's ``waves`` can meet: one larger would make every step wait for
+    all of them (bulk-synchronous) without a word."""
+    if job.updates == "k-of-n" and waves and job.sync_quorum > waves:
+        raise ConfigError(
+            f"sync_quorum = {job.sync_quorum} is more than the job's {waves} waves: give "
+            f"--sync-quorum between 1 and {waves} (0: half of them)"
+        )
+
+
 @keyword_checked
 @dataclass
 class PSConfig:
@@ -148,6 +158,7 @@ class PSConfig:
                 f"shard_index {self.shard_index} is out of range for {self.job.shards} shards"
             )
         non_negative("expect_waves", self.expect_waves)
+        check_quorum(self.job, self.expect_waves)
         positive("threads", self.threads)
         check_address("bind", self.bind)
         check_metrics_port(self.metrics_port)
@@ -383,6 +394,8 @@ class LaunchConfig:
         for d in self.devices:
             check_device(d)
         non_negative("threads", self.threads)
+        if self.mode == "ps":
+            check_quorum(self.job, len(self.devices) * self.processes_per_device * self.job.waves)
         if self.slow_device:
             from wavelet.common.throttle import parse_cap, why_not
 

@@ -48,8 +48,7 @@ def summarize(
         shard_stats = fetch_stats(addresses, keys=keys)
         stats = merge_wave_stats(shard_stats)
         membership = merge_membership(shard_stats)
-        # what each shard's update rule did (balanced batches say when and why)
-        update_rule = "; ".join(sorted({s.get("update_rule", "") for s in shard_stats} - {""}))
+        update_rule = describe_rules(shard_stats)
         for a in addresses if stop_shards else ():
             call_shard(a, Op.SHUTDOWN, keys=keys, body=AdminRequest(token=admin_token).to_wire())
         # the processes whose shard moved to a standby still run (they host standbys): their
@@ -146,6 +145,17 @@ def train_and_report(daemon) -> int:
         return 1
     print("\n" + format_summary(summary), flush=True)
     return 0
+
+
+def describe_rules(shard_stats: list[dict]) -> str:
+    """What the shards' update rule did (balanced batches say when and why): once where every
+    shard says the same, else shard by shard (shard 0 balances the batches, k of n counts late
+    pushes per shard)."""
+    rules = {s.get("shard", i): s.get("update_rule", "") for i, s in enumerate(shard_stats)}
+    said = {r for r in rules.values() if r}
+    if len(said) <= 1:
+        return next(iter(said), "")
+    return "; ".join(f"shard {shard}: {rule}" for shard, rule in sorted(rules.items()) if rule)
 
 
 def merge_membership(shards: list[dict]) -> dict[str, int]:

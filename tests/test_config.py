@@ -99,6 +99,9 @@ def test_every_supported_optimizer_passes_its_own_checks_without_loading_the_com
         ["launch", "--model", "nosuch"],
         ["launch", "--batch-size", "5000"],
         ["launch", "--balance-max-factor", "0.5"],
+        # a quorum the job's waves cannot meet (one worker of 2 waves; 4 waves expected)
+        ["launch", "--updates", "k-of-n", "--sync-quorum", "3"],
+        ["ps", "--updates", "k-of-n", "--sync-quorum", "5", "--expect-waves", "4"],
         ["ps", "--shard-index", "5"],
         ["ps", "--bind", "127.0.0.1:5555"],
         ["worker", "--shard", "tcp://127.0.0.1:1"],  # 1 address for the default 2 shards

@@ -187,6 +187,23 @@ def test_wavelet_stats_names_each_shards_update_rule(tmp_path, job, said):
         service.close()
 
 
+def test_the_summary_says_a_rule_once_and_names_shards_only_where_they_differ():
+    from wavelet.scripts.report import describe_rules
+
+    same = [{"shard": i, "update_rule": "wave turns"} for i in range(2)]
+    assert describe_rules(same) == "wave turns"
+    # shard 0 balances the batches; k of n counts the late pushes each shard saw
+    apart = [
+        {"shard": 1, "update_rule": "k of n (2 late pushes, fold them)"},
+        {"shard": 0, "update_rule": "k of n (0 late pushes, fold them), balanced batches"},
+    ]
+    assert describe_rules(apart) == (
+        "shard 0: k of n (0 late pushes, fold them), balanced batches; "
+        "shard 1: k of n (2 late pushes, fold them)"
+    )
+    assert describe_rules([{"shard": 0, "update_rule": ""}]) == ""
+
+
 def test_compare_modes_keep_their_own_rule_whatever_the_jobs():
     def run(mode, **job):
         return mode_job(MODES[mode], JobConfig(**job), ["cpu"], None)[0]
