@@ -194,3 +194,34 @@ def test_cap_response_counts_each_nodes_samples_in_the_seconds_after_a_cap_comes
     summary = cap_response.summarize([result, {"mode": "allreduce", "error": "x"}], 3.0)
     assert summary == {"ticktock": {"on": [88], "off": [32]}}  # 40 + 8 + 40; 32; none after 30
     assert "| ticktock | 88 (88-88) | 32 (32-32) | 1 / 1 |" in cap_response.table(summary, 3.0)
+
+
+def test_the_ideal_rule_trains_all_reduces_samples_at_each_nodes_free_share(tmp_path):
+    """All-reduce on two nodes at 20 samples per node a step, a step a second while both are
+    free and one every 2 s while node 1 is capped at 50% (t 10 to 20); a test reached the
+    target at t=25, when 800 samples were in. The free pace is 20 samples/s per node (the
+    capped span and the second after it left out). The ideal rule trains 40 samples/s while
+    both are free and 30 while node 1 has half its core: 360 by t=10, 660 by t=20, 800 at
+    t=23.5 (one second of start-up, all-reduce's, before its first step at t=1)."""
+    ideal_bound = _benchmark("ideal_bound")
+    steps = [*range(1, 10), 10, 12, 14, 16, 18, *range(20, 31)]
+    for node in (0, 1):
+        records = tmp_path / "ar" / f"node{node}" / "records"
+        records.mkdir(parents=True)
+        lines = [{"kind": "start", "t": 0.0}]
+        lines += [{"kind": "step", "t": float(t), "samples": 20} for t in steps]
+        if node == 0:
+            lines += [{"kind": "eval", "t": 24.0, "score": 0.5}]
+            lines += [{"kind": "eval", "t": 25.0, "score": 0.61}]
+        _write(records / "worker-0-wave-0.jsonl", lines)
+    caps = {"caps": [[1, 10.0, 20.0, 50.0]]}
+    allreduce = {"mode": "allreduce", "seed": 0, "run_dir": str(tmp_path / "ar"), "timeline": caps}
+    ticktock = {"mode": "ticktock", "seed": 0, "time_to_target_s": 24.0}
+    assert ideal_bound.free_pace(allreduce, 2) == pytest.approx(20.0)
+    rows, pace = ideal_bound.bounds([allreduce, ticktock], [], 0.6, 2)
+    assert pace == pytest.approx(20.0)
+    assert rows == [
+        {"seed": 0, "samples": 800, "allreduce": 25.0, "ideal": pytest.approx(23.5, abs=0.02),
+         "ticktock": 24.0}
+    ]  # fmt: skip
+    assert "| 0 | 800 | 25.0 | 23.5 | 0.94x | 24.0 | 0.96x |" in ideal_bound.table(rows, pace, 0.6)
