@@ -286,7 +286,9 @@ class ShardServer:
         self._next_look = time.monotonic() + 1.0
         if self.placement.due():
             log.warning("shard %d: %s", self.config.shard_index, self.placement.why)
-            self.service.checkpoints.log_membership("move", ("shard", 0), self.placement.why)
+            self.service.checkpoints.log_membership(
+                "move", ("shard", self.config.shard_index), self.placement.why
+            )
             self._hand_over()
 
     _next_look = 0.0
