@@ -216,12 +216,14 @@ def test_the_ideal_rule_trains_all_reduces_samples_at_each_nodes_free_share(tmp_
         _write(records / "worker-0-wave-0.jsonl", lines)
     caps = {"caps": [[1, 10.0, 20.0, 50.0]]}
     allreduce = {"mode": "allreduce", "seed": 0, "run_dir": str(tmp_path / "ar"), "timeline": caps}
-    ticktock = {"mode": "ticktock", "seed": 0, "time_to_target_s": 24.0}
+    ticktock = {"mode": "ticktock", "seed": 0, "time_to_target_s": 24.0, "run_dir": str(tmp_path)}
     assert ideal_bound.free_pace(allreduce, 2) == pytest.approx(20.0)
     rows, pace = ideal_bound.bounds([allreduce, ticktock], [], 0.6, 2)
     assert pace == pytest.approx(20.0)
     assert rows == [
         {"seed": 0, "samples": 800, "allreduce": 25.0, "ideal": pytest.approx(23.5, abs=0.02),
-         "ticktock": 24.0}
+         "ticktock": (24.0, None)}
     ]  # fmt: skip
-    assert "| 0 | 800 | 25.0 | 23.5 | 0.94x | 24.0 | 0.96x |" in ideal_bound.table(rows, pace, 0.6)
+    assert "| 0 | 800 | 25.0 | 23.5 | 0.94x | 24.0 | 0.96x | - |" in ideal_bound.table(
+        rows, pace, 0.6
+    )
