@@ -94,6 +94,10 @@ def ideal_time(result: dict, samples: int, pace: float, nodes: int, step_s: floa
 
 def bounds(results: list[dict], equal: list[dict], target: float, nodes: int) -> list[dict]:
     """Per seed: all-reduce's time to the target, the ideal rule's, and each other mode's."""
+    if not any(r["mode"] == "allreduce" and "error" not in r for r in results):
+        raise SystemExit(
+            "no all-reduce run in these runs: run cluster.py with --modes ...,allreduce"
+        )
     paces = [free_pace(r, nodes) for r in equal or results if r["mode"] == "allreduce"]
     paces = [p for p in paces if p]
     if not paces:
@@ -157,6 +161,10 @@ def main(argv=None) -> int:
     results = [r for folder in args.runs for r in load(folder, p)]
     equal = load(args.equal, p) if args.equal else []
     rows, pace = bounds(results, equal, args.target_acc, args.nodes)
+    if not rows:
+        raise SystemExit(
+            f"all-reduce reached {args.target_acc:g} in no seed: nothing to hold the ideal to"
+        )
     print(table(rows, pace, args.target_acc))
     return 0
 
