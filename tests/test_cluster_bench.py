@@ -227,3 +227,6 @@ def test_the_ideal_rule_trains_all_reduces_samples_at_each_nodes_free_share(tmp_
     assert "| 0 | 800 | 25.0 | 23.5 | 0.94x | 24.0 | 0.96x | - |" in ideal_bound.table(
         rows, pace, 0.6
     )
+    with pytest.raises(SystemExit, match="no all-reduce run"):
+        ideal_bound.bounds([ticktock], [], 0.6, 2)
+    assert ideal_bound.bounds([allreduce], [], 0.9, 2)[0] == []  # never reached: no row
