@@ -96,6 +96,8 @@ class Updates:
         # one update per push (async), per clock of all waves (s = 0, k of n) or of each
         # wave group
         self.synchronous = job.staleness == 0 or job.updates in BOUNDLESS_UPDATES
+        # a step's BatchNorm statistics: its own waves' (ps/shard.py)
+        shard.step_statistics = self.synchronous
         quorum = None
         if job.updates == "k-of-n":
             self.bound = StalenessBound(math.inf)  # the quorum, not the slowest, sets the pace
@@ -149,7 +151,7 @@ class Updates:
         ``compute_samples``, 0: ``samples``; this one so far, where the push left during
         backward) and what else its step cost (balanced batches)."""
         grads = self.shard.gradients(tensors, push.absent)
-        self.shard.store_buffers(wave, tensors, push.samples)
+        self.shard.store_buffers(wave, tensors, push.samples, read=self.shard.version - tau)
         measured = push.compute_samples or push.samples
         self.balancer.record(wave, measured, push.compute_s, push.overhead_s)
         lr_scale = push.lr_scale

@@ -116,6 +116,63 @@ def test_a_balanced_steps_batchnorm_statistics_are_one_process_on_the_concatenat
         service.close()
 
 
+def _step_and_push(wave: ServiceWave, service, clock: int, read, batch) -> None:
+    """``wave`` loads what it ``read`` (version, values: weights and served statistics), takes
+    a training step on ``batch`` (its running statistics move) and pushes its gradients and
+    statistics."""
+    version, values = read
+    for c, value in zip(wave.chunks, values, strict=True):
+        chunk_view(wave.tensors[c.name], c).data.copy_(value)
+    wave.model.zero_grad()
+    F.cross_entropy(wave.model(batch[0]), batch[1]).backward()
+    params = dict(wave.model.named_parameters())
+    tensors = [
+        chunk_view(params[c.name].grad if c.trainable else wave.tensors[c.name], c)
+        for c in wave.chunks
+    ]
+    wave.send(
+        Op.PUSH, tensors, clock=clock, read_version=version, keys=wave.keys,
+        body={"samples": len(batch[1]), "compute_s": 0.0},
+    )  # fmt: skip
+
+
+def test_wave_turns_serve_each_steps_statistics_as_one_process_on_its_batch(tmp_path):
+    """Wave turns, two workers of two waves: the tick waves' step, then the tock waves' on the
+    weights and statistics it made. After each, the served running mean is the one a single
+    process leaves after the same steps on each step's concatenated batch; a mean over all four
+    waves' uploads mixed the other group's statistics of the step before into it, and followed
+    the model about 1.5x more slowly."""
+    service = service_for(
+        tmp_path, job={"updates": "wave-turns", "staleness": 1, "balance_batches": "off"}
+    )
+    try:
+        waves = {
+            (w, i): ServiceWave(service, f"w{w}", wave=i, model=_bn_model())
+            for i in (0, 1)
+            for w in (0, 1)
+        }
+        for wave in waves.values():
+            wave.join()
+        batches = {key: _batch(10 + 2 * key[1] + key[0], 8) for key in waves}
+        mean = next(c for c in waves[0, 0].chunks if c.name == "1.running_mean")
+        for group in (0, 1):
+            # the group's waves read the same version before either pushes, as in a turn
+            read = (service.shard.version, [v.clone() for v in service.shard.values()])
+            for w in (0, 1):
+                _step_and_push(waves[w, group], service, 0, read, batches[w, group])
+            assert service.shard.version == group + 1
+            # one process's BatchNorm step on the group's concatenated batch, from the weights
+            # and statistics the group read
+            with torch.no_grad():
+                layer = waves[0, group].model[0]  # the weights read (a push changes none)
+                x = torch.cat([batches[w, group][0] for w in (0, 1)])
+                want = 0.9 * read[1][mean.key] + 0.1 * layer(x).mean(0)
+            got = service.shard.buffer_value(mean.key)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    finally:
+        service.close()
+
+
 def test_a_waves_speed_is_the_batch_its_compute_time_measured(tmp_path):
     """A push says how long the wave's previous batch took (this one's push may leave during
     backward): where balancing cut the batch from 32 to 8, the speed is 32 samples over that
