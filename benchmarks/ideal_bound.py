@@ -9,6 +9,7 @@ the target against all-reduce's measured one is the best ratio any rule could sh
 
     python benchmarks/ideal_bound.py /tmp/noisy
     python benchmarks/ideal_bound.py /tmp/slow --equal /tmp/equal
+    python benchmarks/ideal_bound.py /tmp/equal --samples      # each run's samples to target
 
 A free node's pace is all-reduce's in the runs' free periods; a steady cap leaves none, so an
 equal-nodes run of the same hour (``--equal``) gives it.
@@ -144,6 +145,19 @@ def table(rows: list[dict], pace: float, target: float) -> str:
     return "\n".join(lines)
 
 
+def samples_table(results: list[dict], target: float) -> str:
+    """Every run's time to the target and the samples all its nodes had trained by then
+    (``--samples``: runs with or without all-reduce)."""
+    lines = ["| mode | seed | time to target, s | samples to target |", "|---|---|---:|---:|"]
+    for r in sorted(results, key=lambda r: (r["mode"], r["seed"])):
+        if "error" in r:
+            continue
+        t, samples = r.get("time_to_target_s"), start_and_target(r, target)[2]
+        when = "not reached" if t is None else f"{t:.1f}"
+        lines.append(f"| {r['mode']} | {r['seed']} | {when} | {samples or '-'} |")
+    return "\n".join(lines)
+
+
 def load(folder: str, p: argparse.ArgumentParser) -> list[dict]:
     path = Path(folder) / "results.json"
     if not path.exists():
@@ -157,8 +171,12 @@ def main(argv=None) -> int:
     p.add_argument("--equal", default="", help="the --out folder of an equal-nodes run")
     p.add_argument("--target-acc", type=float, default=0.6)
     p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--samples", action="store_true", help="only each run's samples to the target")
     args = p.parse_args(argv)
     results = [r for folder in args.runs for r in load(folder, p)]
+    if args.samples:
+        print(samples_table(results, args.target_acc))
+        return 0
     equal = load(args.equal, p) if args.equal else []
     rows, pace = bounds(results, equal, args.target_acc, args.nodes)
     if not rows:

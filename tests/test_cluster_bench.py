@@ -230,3 +230,5 @@ def test_the_ideal_rule_trains_all_reduces_samples_at_each_nodes_free_share(tmp_
     with pytest.raises(SystemExit, match="no all-reduce run"):
         ideal_bound.bounds([ticktock], [], 0.6, 2)
     assert ideal_bound.bounds([allreduce], [], 0.9, 2)[0] == []  # never reached: no row
+    allreduce["time_to_target_s"] = 25.0
+    assert "| allreduce | 0 | 25.0 | 800 |" in ideal_bound.samples_table([allreduce], 0.6)
