@@ -85,7 +85,9 @@ def test_the_budget_holds_while_the_shards_hold_a_wave_back(shard_daemons, tmp_p
     a_args[a_args.index("--epochs") + 1] = "0"
     b_args = _worker_args(daemons, tmp_path / "b", *common, rank=1, workers=2)
     with forked(b_args, tmp_path / "b.log") as b, forked(a_args, tmp_path / "a.log") as a:
-        wait_for(lambda: len(_steps(a_records)) >= 3, 90, "training did not start")
+        # both: a records a step as its reply comes, b the same step a moment later
+        started = lambda: len(_steps(a_records)) >= 3 and len(_steps(b_records)) >= 3
+        wait_for(started, 90, "training did not start")
         b.send_signal(signal.SIGSTOP)
         try:
             code = a.wait(120)
