@@ -66,9 +66,11 @@ def free_pace(result: dict, nodes: int) -> float | None:
     return samples / seconds / nodes if seconds else None
 
 
-def start_and_target(result: dict, target: float) -> tuple[float, float | None, int | None]:
+def start_and_target(
+    result: dict, target: float, times: list[tuple[float, int]] | None = None
+) -> tuple[float, float | None, int | None]:
     """The run's start (its first ``start`` record), when a test first reached ``target``, and
-    the samples every node had trained by then."""
+    the samples every node had trained by then (of ``times``, its steps, where read already)."""
     starts, evals = [], []
     for path in Path(result["run_dir"]).glob("node*/records/worker-*.jsonl"):
         for r in read_records(path):
@@ -80,12 +82,15 @@ def start_and_target(result: dict, target: float) -> tuple[float, float | None, 
     if not starts or not reached:
         return min(starts, default=0.0), None, None
     t = reached[0]
-    return min(starts), t, sum(n for ts, n in step_times(result) if ts <= t)
+    times = step_times(result) if times is None else times
+    return min(starts), t, sum(n for ts, n in times if ts <= t)
 
 
-def ideal_time(result: dict, samples: int, pace: float, nodes: int, step_s: float = 0.01):
-    """Seconds from all-reduce's first step until the ideal rule trained ``samples``."""
-    first = min(t for t, _ in step_times(result))
+def ideal_time(
+    result: dict, first: float, samples: int, pace: float, nodes: int, step_s: float = 0.01
+):
+    """Seconds from all-reduce's first step (at ``first``) until the ideal rule trained
+    ``samples`` under the run's caps."""
     run_caps, t, done = caps(result), first, 0.0
     while done < samples:
         done += pace * share(t, nodes, run_caps) * step_s
@@ -106,11 +111,12 @@ def bounds(results: list[dict], equal: list[dict], target: float, nodes: int) ->
     pace = statistics.median(paces)
     rows = []
     for ar in (r for r in results if r["mode"] == "allreduce" and "error" not in r):
-        start, reached, samples = start_and_target(ar, target)
+        times = step_times(ar)  # its records, read once
+        start, reached, samples = start_and_target(ar, target, times)
         if reached is None:
             continue  # all-reduce never reached it: no sample count to hold the ideal to
-        first = min(t for t, _ in step_times(ar))
-        best = (first - start) + ideal_time(ar, samples, pace, nodes)
+        first = min(t for t, _ in times)
+        best = (first - start) + ideal_time(ar, first, samples, pace, nodes)
         row = dict(seed=ar["seed"], samples=samples, allreduce=reached - start, ideal=best)
         for r in results:
             if r["seed"] == ar["seed"] and r["mode"] != "allreduce" and "error" not in r:
