@@ -144,6 +144,15 @@ class Endpoint:
         while self._held and self.in_step():
             self._send(self._held.popleft())
 
+    def refuse_held(self, code: ErrorCode, message: str) -> None:
+        """Answer every reply still waiting for the standby with an error instead (the shard
+        is not this process's any more: what those replies show must not reach a wave)."""
+        while self._held:
+            m = self._held.popleft()[0]
+            send_message(
+                self.socket, error_header(m.header.request_id, code, message), prefix=[m.peer]
+            )
+
     def _send(self, answer: list[Outgoing]) -> None:
         """One answer: a message, or the parts of one weights reply, counted as one reply."""
         m = answer[0]

@@ -11,6 +11,10 @@ where the job spans nodes). The primary connects to it at start and sends:
   arithmetic on the same values: the copies stay equal), and the clocks the update leaves;
 - ``promote``: take the shard over now (the primary is stopping and handed its state over).
 
+A standby that took the shard over refuses its old primary with ``moved`` (the primary was
+stopped or cut off past the lost time and woke, or its hand-over's ack came late): the primary
+then steps aside and sends its waves there, so that a shard never has two owners.
+
 With replication on, the primary holds back every reply that would show a client a version its
 standby has not acknowledged: whatever a client saw survives the primary. State travels as tensor
 frames with a msgpack skeleton (``state_to_wire``), never pickled.
@@ -124,11 +128,16 @@ class Replicator:
         self.updates_sent = 0
         self.bytes_sent = 0
         self._ids = 0
+        # the standby took the shard over while this primary lived (it was stopped or cut off
+        # past the lost time, or its hand-over's ack came late): this primary must step aside
+        self.superseded = False
 
     @property
     def in_step(self) -> bool:
         """Replies may go out: the standby has every version they could show (or there is no
         standby to wait for: disconnected, or not mirroring)."""
+        if self.superseded:
+            return True  # nothing to wait for: the shard is the standby's now
         return not (self.mirror and self.connected and self.seeded) or self.acked >= self.sent
 
     def poll(self, service) -> None:
@@ -153,11 +162,14 @@ class Replicator:
         while self.socket.poll(0):
             h, _ = decode_reply(self.socket.recv_multipart(copy=False), self.address)
             if h.op == Op.ERROR:
+                if h.body.get("code") == ErrorCode.MOVED:
+                    self.superseded = True
+                    continue
                 log.error("shard %d: its standby refused: %s", self.shard_index, h.body)
                 self.seeded = False
                 continue
             self.acked = max(self.acked, reply_body(Op.SEED, h).version)
-        if self.connected and not self.seeded:
+        if self.connected and not self.seeded and not self.superseded:
             if not self.mirror:  # without mirroring only a handover seeds: say who we are
                 self._send(Op.SEED, Seed(token=self.token, state={}, clocks=[], hello=True), [])
                 self.seeded = True
@@ -186,7 +198,7 @@ class Replicator:
     ) -> None:
         """One update the primary applied (``mirror``), reaching ``version``, with the clocks
         the request that made it left."""
-        if not (self.mirror and self.connected and self.seeded):
+        if not (self.mirror and self.connected and self.seeded) or self.superseded:
             return
         keys = sorted(grads)
         body = ReplicaUpdate(
@@ -212,8 +224,11 @@ class Replicator:
         while time.monotonic() < deadline and self.connected:
             self.socket.poll(100)
             self.poll(service)
-            if self.acked >= self.sent:
+            if self.acked >= self.sent or self.superseded:
                 return True
+        # not acknowledged in time: the standby may hold the promotion, and this primary serves
+        # on; seeding it again (or saying hello) withdraws it there
+        self.seeded = False
         return False
 
     def _send(self, op: Op, body, tensors: list[torch.Tensor]) -> None:

@@ -263,6 +263,18 @@ class ShardServer:
             r.replicate(self.service, grads, lr_scale, version)
         self._pending.clear()
         r.poll(self.service)
+        if r.superseded and not self.handed_over:
+            log.warning(
+                "shard %d: its standby at %s took it over while this process was stopped or "
+                "cut off; this shard serves nobody now and sends its waves there",
+                self.config.shard_index,
+                r.address,
+            )
+            self.service.checkpoints.log_membership(
+                "superseded", ("shard", self.config.shard_index), f"its standby at {r.address}"
+            )
+            self._serve_nobody(r.address, held=True)
+            return
         self.primary.release_held()
 
     def _took_over(self) -> None:
@@ -307,23 +319,18 @@ class ShardServer:
                 time.sleep(0.01)
         self._replicate()
         if r.hand_over(self.service):
-            self.handed_over = True
-            self.service.moved_to = r.address
+            if r.superseded:  # it had taken the shard over already: nothing of ours to keep
+                self._serve_nobody(r.address, held=True)
+                return
             # the state handed over is on disk too (a group torchrun restarts resumes from it,
             # should the standby stop with it); then the checkpoints are the standby's
             self.service.checkpoints.maybe_final()
-            self.service.checkpoints.enabled = False
+            self._serve_nobody(r.address, held=False)
             log.info(
                 "shard %d handed itself to its standby at %s (version %d)",
                 self.config.shard_index,
                 r.address,
                 self.service.shard.version,
-            )
-            # answer what is parked now; requests still queued get ``moved`` too
-            self.primary.send_all(
-                self.service.parked.answer(
-                    lambda p: True, ErrorCode.MOVED, f"the shard moved to {r.address}"
-                )
             )
             deadline = time.monotonic() + 0.5
             while time.monotonic() < deadline and self.primary.serve_one():
@@ -334,6 +341,19 @@ class ShardServer:
                 self.config.shard_index,
                 r.address,
             )
+
+    def _serve_nobody(self, address: str, held: bool) -> None:
+        """The shard is its standby's at ``address`` now: every wave that asks here is sent
+        there (``moved``), what is parked at once, and the checkpoints are the standby's.
+        ``held``: replies waiting for the standby's ack are sent there too (the updates they
+        show are not the standby's: the waves give them again)."""
+        self.handed_over = True
+        self.service.moved_to = address
+        self.service.checkpoints.enabled = False
+        message = f"the shard moved to {address}"
+        if held:
+            self.primary.refuse_held(ErrorCode.MOVED, message)
+        self.primary.send_all(self.service.parked.answer(lambda p: True, ErrorCode.MOVED, message))
 
     def close(self) -> None:
         try:

@@ -58,6 +58,11 @@ class StandbyRole:
     def seed(self, peer: Peer, h: Header, body: Seed, tensors) -> Ack:
         self._from_primary(h, peer, body.token)
         shard = self.service.shard
+        # a primary that seeds us again after a hand-over is serving on (it never saw our ack
+        # in time): the hand-over is withdrawn, or a wave could make two owners of the shard
+        if self.handed_over and not body.promote:
+            log.warning("standby of shard %d: its primary withdrew its hand-over", self._index)
+        self.handed_over = False
         if body.hello:
             return Ack(shard.version)
         state = state_from_wire(body.state, list(tensors))
@@ -102,8 +107,10 @@ class StandbyRole:
     def _from_primary(self, h: Header, peer: Peer, token: str) -> None:
         self.service.admin.check(h.op, peer, token)
         if self.promoted:
+            # the old primary woke (stopped, starved or cut off past the lost time) or its
+            # hand-over's ack came late: it must serve nobody, and tells its waves to come here
             raise ProtocolError(
-                ErrorCode.UNAUTHORIZED,
+                ErrorCode.MOVED,
                 f"this standby took shard {self._index} over; the old primary must not serve it",
             )
         self.primary = peer.identity

@@ -158,6 +158,46 @@ def test_a_standby_serves_nobody_while_its_primary_lives(shard_daemons):
         raw.close()
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_a_primary_that_wakes_after_its_standby_took_over_serves_nobody(shard_daemons, replicas):
+    """Shard 1's process stopped (SIGSTOP: a paused VM, a cut link) past the lost time: the
+    wave goes on with the standby, which takes the shard over. When the process wakes, its
+    standby refuses it (``moved``) and it steps aside: a wave that asks it is sent to the
+    standby, and it does not seed the standby over and over. One owner per shard."""
+    job = ["--staleness", "inf", "--set", f"shard_replicas={replicas}"]
+    daemons = shard_daemons([*job, "--set", "shard_timeout_s=3"], count=2, standbys=True)
+    stopped = daemons.procs[1]
+
+    def stop_at(clock):
+        if clock == 2:
+            stopped.send_signal(signal.SIGSTOP)
+
+    try:
+        _train(daemons.addresses, 6, before=stop_at)
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+    assert "standby of shard 1 takes the shard over" in (daemons.tmp / "ps-0.log").read_text()
+    standby = daemons.standby_file(1).read_text().strip()
+    old_log = daemons.tmp / "ps-1.log"
+    wait_for(
+        lambda: "this shard serves nobody now" in old_log.read_text(),
+        60,
+        "the woken primary did not step aside",
+    )
+    raw = RawClient(daemons.addresses[1])
+    try:
+        h = raw.request(Header(op=Op.REGISTER, worker="w9", wave=0, clock=0, plan="x"))
+    finally:
+        raw.close()
+    assert h.op == Op.ERROR and h.body["code"] == ErrorCode.MOVED, h
+    assert standby in h.body["message"]
+    assert "its standby refused" not in old_log.read_text()
+    # the job goes on where the shard is now
+    _, lost, versions = _train(daemons.current_addresses(), 2, worker="w1")
+    assert lost == 0 and min(versions) >= 6
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_worker_trains_on_through_a_killed_shard(shard_daemons, tmp_path):
