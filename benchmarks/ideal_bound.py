@@ -11,8 +11,10 @@ the target against all-reduce's measured one is the best ratio any rule could sh
     python benchmarks/ideal_bound.py /tmp/slow --equal /tmp/equal
     python benchmarks/ideal_bound.py /tmp/equal --samples      # each run's samples to target
 
+Several folders are read one by one, a table each (``--equal`` serves them all).
+
 A free node's pace is all-reduce's in the runs' free periods; a steady cap leaves none, so an
-equal-nodes run of the same hour (``--equal``) gives it.
+equal-nodes run of the same hour (``--equal``) gives it there.
 
 Read with the issue's targets: where the ideal ratio is near a target, only the noise between
 runs meets it (docs/stragglers.md).
@@ -104,8 +106,12 @@ def bounds(results: list[dict], equal: list[dict], target: float, nodes: int) ->
         raise SystemExit(
             "no all-reduce run in these runs: run cluster.py with --modes ...,allreduce"
         )
-    paces = [free_pace(r, nodes) for r in equal or results if r["mode"] == "allreduce"]
-    paces = [p for p in paces if p]
+
+    def paces_of(runs):
+        return [p for r in runs if r["mode"] == "allreduce" and (p := free_pace(r, nodes))]
+
+    # the run's own free periods where it has some; a steady cap leaves none: the equal run's
+    paces = paces_of(results) or paces_of(equal)
     if not paces:
         raise SystemExit("no all-reduce run trained while every node was free: give --equal RUN")
     pace = statistics.median(paces)
@@ -179,17 +185,22 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--samples", action="store_true", help="only each run's samples to the target")
     args = p.parse_args(argv)
-    results = [r for folder in args.runs for r in load(folder, p)]
-    if args.samples:
-        print(samples_table(results, args.target_acc))
-        return 0
     equal = load(args.equal, p) if args.equal else []
-    rows, pace = bounds(results, equal, args.target_acc, args.nodes)
-    if not rows:
-        raise SystemExit(
-            f"all-reduce reached {args.target_acc:g} in no seed: nothing to hold the ideal to"
-        )
-    print(table(rows, pace, args.target_acc))
+    # each folder on its own: its seeds are other runs than another folder's of the same seed
+    for i, folder in enumerate(args.runs):
+        results = load(folder, p)
+        if len(args.runs) > 1:
+            print(("\n" if i else "") + f"## {folder}\n")
+        if args.samples:
+            print(samples_table(results, args.target_acc))
+            continue
+        rows, pace = bounds(results, equal, args.target_acc, args.nodes)
+        if not rows:
+            raise SystemExit(
+                f"{folder}: all-reduce reached {args.target_acc:g} in no seed: nothing to hold "
+                "the ideal to"
+            )
+        print(table(rows, pace, args.target_acc))
     return 0
 
 

@@ -196,6 +196,44 @@ def test_cap_response_counts_each_nodes_samples_in_the_seconds_after_a_cap_comes
     assert "| ticktock | 88 (88-88) | 32 (32-32) | 1 / 1 |" in cap_response.table(summary, 3.0)
 
 
+def _capped_allreduce_run(run_dir, reached_at=25.0):
+    """All-reduce's records on two nodes at 20 samples per node a step, a step a second while
+    both are free and one every 2 s while node 1 is capped at 50% (t 10 to 20); a test
+    reached the target at ``reached_at``. Returns its entry of results.json."""
+    steps = [*range(1, 10), 10, 12, 14, 16, 18, *range(20, 31)]
+    for node in (0, 1):
+        records = run_dir / f"node{node}" / "records"
+        records.mkdir(parents=True)
+        lines = [{"kind": "start", "t": 0.0}]
+        lines += [{"kind": "step", "t": float(t), "samples": 20} for t in steps]
+        if node == 0:
+            lines += [{"kind": "eval", "t": reached_at - 1, "score": 0.5}]
+            lines += [{"kind": "eval", "t": reached_at, "score": 0.61}]
+        _write(records / "worker-0-wave-0.jsonl", lines)
+    caps = {"caps": [[1, 10.0, 20.0, 50.0]]}
+    return {"mode": "allreduce", "seed": 0, "run_dir": str(run_dir), "timeline": caps}
+
+
+def test_the_ideal_bound_reads_each_folder_of_runs_on_its_own(tmp_path, capsys):
+    """Two cluster.py folders, each with a seed 0: each gets its own table, its all-reduce
+    beside its own ticktock (they are other runs of the same seed)."""
+    ideal_bound = _benchmark("ideal_bound")
+    folders = []
+    for name, reached, ticktock_s in (("slow", 25.0, 24.0), ("noisy", 22.0, 11.0)):
+        folder = tmp_path / name
+        allreduce = _capped_allreduce_run(folder / "ar", reached)
+        ticktock = {"mode": "ticktock", "seed": 0, "time_to_target_s": ticktock_s}
+        ticktock["run_dir"] = str(folder)
+        (folder / "results.json").write_text(json.dumps([allreduce, ticktock]))
+        folders.append(str(folder))
+    assert ideal_bound.main(folders) == 0
+    out = capsys.readouterr().out
+    slow, noisy = out.split(f"## {folders[1]}")
+    assert f"## {folders[0]}" in slow
+    assert "| 25.0 | 23.5 | 0.94x | 24.0 | 0.96x |" in slow
+    assert "| 22.0 |" in noisy and "| 11.0 | 0.50x |" in noisy and "| 25.0 |" not in noisy
+
+
 def test_the_ideal_rule_trains_all_reduces_samples_at_each_nodes_free_share(tmp_path):
     """All-reduce on two nodes at 20 samples per node a step, a step a second while both are
     free and one every 2 s while node 1 is capped at 50% (t 10 to 20); a test reached the
@@ -204,18 +242,7 @@ def test_the_ideal_rule_trains_all_reduces_samples_at_each_nodes_free_share(tmp_
     both are free and 30 while node 1 has half its core: 360 by t=10, 660 by t=20, 800 at
     t=23.5 (one second of start-up, all-reduce's, before its first step at t=1)."""
     ideal_bound = _benchmark("ideal_bound")
-    steps = [*range(1, 10), 10, 12, 14, 16, 18, *range(20, 31)]
-    for node in (0, 1):
-        records = tmp_path / "ar" / f"node{node}" / "records"
-        records.mkdir(parents=True)
-        lines = [{"kind": "start", "t": 0.0}]
-        lines += [{"kind": "step", "t": float(t), "samples": 20} for t in steps]
-        if node == 0:
-            lines += [{"kind": "eval", "t": 24.0, "score": 0.5}]
-            lines += [{"kind": "eval", "t": 25.0, "score": 0.61}]
-        _write(records / "worker-0-wave-0.jsonl", lines)
-    caps = {"caps": [[1, 10.0, 20.0, 50.0]]}
-    allreduce = {"mode": "allreduce", "seed": 0, "run_dir": str(tmp_path / "ar"), "timeline": caps}
+    allreduce = _capped_allreduce_run(tmp_path / "ar")
     ticktock = {"mode": "ticktock", "seed": 0, "time_to_target_s": 24.0, "run_dir": str(tmp_path)}
     assert ideal_bound.free_pace(allreduce, 2) == pytest.approx(20.0)
     rows, pace = ideal_bound.bounds([allreduce, ticktock], [], 0.6, 2)
