@@ -33,7 +33,7 @@ from wavelet.common.daemon_config import PSConfig
 from wavelet.common.models import build_model
 from wavelet.common.protocol import Header, Op, encode
 from wavelet.common.sharding import ShardingPlan, chunk_view, model_tensors
-from wavelet.ps import shard as shard_module
+from wavelet.ps import finite
 from wavelet.ps.service import ShardService
 
 
@@ -120,8 +120,8 @@ def parts_ms(args, plan, tensors) -> dict[str, tuple[list[float], list[float]]]:
         buffers = [spec for spec in shard.specs if not spec.trainable]
         cases = {
             "finite check": (
-                lambda: all(shard_module._all_finite(t) for t in pushed if t.is_floating_point()),
-                lambda: shard_module.first_non_finite(pushed) is None,
+                lambda: all(finite._all_finite(t) for t in pushed if t.is_floating_point()),
+                lambda: finite.first_non_finite(pushed) is None,
             ),
             "buffers' mean": (
                 lambda: [shard._buffer_value(spec) for spec in buffers],

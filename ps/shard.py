@@ -18,6 +18,7 @@ import torch
 
 from wavelet.common.optimizer import OptimizerConfig
 from wavelet.common.protocol import ErrorCode, ProtocolError, TensorDesc
+from wavelet.ps.finite import first_non_finite
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class ChunkSpec:
 def _wire_dtype_allowed(master: torch.dtype, wire: torch.dtype) -> bool:
     """A chunk travels in its own dtype, or a float32 one in 16 bits."""
     return wire == master or (master == torch.float32 and wire in (torch.bfloat16, torch.float16))
+
+
+# sequential statistics: how many versions back a wave's read is known (older: served as is)
+STATISTICS_HISTORY = 64
 
 
 class Shard:
@@ -53,8 +58,16 @@ class Shard:
     Their mean is then one process's step on their batches, where a mean over every wave mixed
     in the other group's statistics of the step before, and the served running means followed
     the model about 1.5x more slowly than one process's (or all-reduce's) do. Where no upload
-    read that version (asynchronous waves, wave groups, before the first update), every wave's
-    counts.
+    read that version (wave groups, before the first update), every wave's counts.
+
+    Under asynchronous waves (``sequential_statistics``) an upload is a step of its own: the
+    served statistics move by what the wave's step changed in the statistics it read (its upload
+    less the values served at the version it read), as one process's running mean moves batch
+    by batch. A mean over every wave's latest upload followed the model more slowly the more
+    waves there were: with two, a root of 0.93 per push where one process has 0.9 (as a
+    BatchNorm momentum of 0.067 for 0.1: 1.045x the samples to 60%,
+    ``benchmarks/bench_bn_tracking.py``), with four 0.96. A wave that read a version older than
+    the last ``STATISTICS_HISTORY`` has its values served as they are.
     """
 
     def __init__(
@@ -71,6 +84,10 @@ class Shard:
         self.buffer_samples: dict[object, int] = {}  # each upload's push's samples (0: untold)
         self.buffer_reads: dict[object, int] = {}  # the version each upload's push read
         self.step_statistics = False  # serve the latest step's waves' statistics (see above)
+        self.sequential_statistics = False  # async: each upload moves them in turn (see above)
+        # sequential statistics: the served buffers as of each recent version (what a wave that
+        # read it started from)
+        self.served_at: dict[int, dict[int, torch.Tensor]] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0  # updates applied
         self.changes = 0  # updates and buffer uploads: what a cached wire copy is valid for
@@ -162,6 +179,7 @@ class Shard:
             self.optimizer = self.optimizer_config.build(list(self.params.values()), ndims=trained)
         self.plan = plan
         self.version = max(0, version)
+        self._remember_statistics(fresh=True)
         return True
 
     def check_plan(self, plan: str) -> None:
@@ -246,7 +264,13 @@ class Shard:
             for s, t in zip(self.specs, tensors, strict=True)
             if not s.trainable
         }
-        if values:
+        if values and self.sequential_statistics:
+            base = self.served_at.get(read, {})
+            for key, value in values.items():
+                old = base.get(key)
+                self.buffers[key] = value if old is None else self.buffers[key] + (value - old)
+            self.changes += 1
+        elif values:
             self.wave_buffers[wave] = values
             self.buffer_samples[wave] = max(0, samples)
             self.buffer_reads[wave] = read
@@ -264,12 +288,23 @@ class Shard:
             if not any(key in b for b in self.wave_buffers.values()):
                 self.buffers[key] = value
 
+    def _remember_statistics(self, fresh: bool = False) -> None:
+        """Sequential statistics: keep the served buffers of this version, for the uploads of
+        the waves that read it (``fresh``: the buffers were set anew, forget the older ones)."""
+        if fresh:
+            self.served_at.clear()
+        if not self.sequential_statistics:
+            return
+        self.served_at[self.version] = {k: v.clone() for k, v in self.buffers.items()}
+        self.served_at.pop(self.version - STATISTICS_HISTORY, None)
+
     def apply(self, grads: dict[int, torch.Tensor], lr_scale: float = 1.0) -> None:
         """One optimizer step with ``grads`` (already validated); bumps the version. A chunk
         without a gradient there keeps ``.grad = None``, which torch's optimizers skip."""
         if self.optimizer is None:  # no trainable chunks here
             self.version += 1
             self.changes += 1
+            self._remember_statistics()
             return
         self._own_weights()
         for key, p in self.params.items():
@@ -286,6 +321,7 @@ class Shard:
             p.grad = None
         self.version += 1
         self.changes += 1
+        self._remember_statistics()
         if self.on_apply is not None:
             self.on_apply(grads, lr_scale)
 
@@ -385,6 +421,8 @@ class Shard:
         self.wave_buffers.clear()
         self.buffer_samples.clear()
         self.buffer_reads.clear()
+        if self.version in self.served_at:  # what a wave reading this version is served
+            self.served_at[self.version][key] = self.buffers[key].clone()
         self.changes += 1
 
     def reload(self, state: dict) -> None:
@@ -403,6 +441,7 @@ class Shard:
         self.version = state["version"]
         if state["optimizer"] is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        self._remember_statistics(fresh=True)
         self.changes += 1
 
     def load_state_dict(self, state: dict) -> None:
@@ -418,6 +457,7 @@ class Shard:
         self.version = state["version"]
         if state["optimizer"] is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        self._remember_statistics(fresh=True)
 
     def state_dict(self) -> dict:
         return {
@@ -430,36 +470,3 @@ class Shard:
             "ndims": [s.ndim for s in self.specs],
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
         }
-
-
-def first_non_finite(tensors: Sequence[torch.Tensor]) -> int | None:
-    """The index of the first floating-point tensor holding NaN or Inf (None: there is none).
-
-    NaN or Inf anywhere makes a sum non-finite, so one sum over all the tensors of a dtype
-    settles the common case in one pass; only where that sum is not finite (a NaN, or finite
-    values whose sum overflows) is each tensor looked at. The sum of 16-bit values accumulates in
-    32 bits, so that their sum, not only a NaN, rarely sends it there. Tensor by tensor, the
-    check of a push of the narrow ResNet's 58 chunks took 3x as long
-    (benchmarks/bench_shard_cpu.py)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.is_floating_point():
-            by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
-    for dtype, ts in by_dtype.items():
-        total = torch.cat(ts).sum(dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-        if not torch.isfinite(total):
-            break
-    else:
-        return None
-    for i, t in enumerate(tensors):
-        if t.is_floating_point() and not _all_finite(t):
-            return i
-    return None  # only a sum overflowed
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """NaN or Inf anywhere makes the sum non-finite; one cheap pass settles the common case.
-    (``isfinite(t).all()`` is 25x slower here; it only runs to rule out an overflowing sum.)"""
-    if torch.isfinite(t.sum()):
-        return True
-    return bool(torch.isfinite(t).all())

@@ -98,6 +98,7 @@ class Updates:
         self.synchronous = job.staleness == 0 or job.updates in BOUNDLESS_UPDATES
         # a step's BatchNorm statistics: its own waves' (ps/shard.py)
         shard.step_statistics = self.synchronous
+        shard.sequential_statistics = not self.synchronous
         quorum = None
         if job.updates == "k-of-n":
             self.bound = StalenessBound(math.inf)  # the quorum, not the slowest, sets the pace

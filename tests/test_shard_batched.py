@@ -7,7 +7,7 @@ import torch
 from conftest import run_benchmark
 from helpers import ServiceWave, service_for
 
-from wavelet.ps.shard import first_non_finite
+from wavelet.ps.finite import first_non_finite
 
 
 def _tensors():
@@ -57,8 +57,9 @@ def _bn_model() -> torch.nn.Module:
 @pytest.mark.parametrize("samples", [(32, 32, 32), (6, 26, 13), (0, 26, 13)])
 def test_served_buffers_are_each_buffers_own_mean_over_the_waves(tmp_path, samples):
     """Three waves upload their own BatchNorm statistics, with equal, unequal or untold samples:
-    the values a pull serves (all buffers at once) are those of one buffer at a time."""
-    service = service_for(tmp_path, shm=False)
+    the values a pull serves (all buffers at once) are those of one buffer at a time (the mean
+    a synchronous rule serves; asynchronous waves' uploads move the statistics in turn)."""
+    service = service_for(tmp_path, shm=False, job={"staleness": 0})
     try:
         wave = ServiceWave(service, model=_bn_model())
         wave.join()

@@ -173,6 +173,52 @@ def test_wave_turns_serve_each_steps_statistics_as_one_process_on_its_batch(tmp_
         service.close()
 
 
+def test_async_waves_move_the_statistics_as_one_process_does_batch_by_batch(tmp_path):
+    """Asynchronous waves, two of one worker, each reading the newest version before its step
+    and one reading a version behind: after each push the served running mean is one process's
+    BatchNorm steps on the batches in the order they came, where a wave that read the latest
+    statistics; one that read older ones moves them by what its own step changed. A mean over
+    the waves' latest uploads moved the statistics once per round of both waves."""
+    service = service_for(tmp_path, job={"updates": "async", "staleness": 4})
+    try:
+        waves = [ServiceWave(service, "w0", wave=i, model=_bn_model()) for i in (0, 1)]
+        for wave in waves:
+            wave.join()
+        mean = next(c for c in waves[0].chunks if c.name == "1.running_mean")
+
+        def read():
+            return service.shard.version, [v.clone() for v in service.shard.values()]
+
+        def batch_mean(wave, reading, x):
+            with torch.no_grad():  # the layer as the wave had it: the weights it read
+                for c, value in zip(wave.chunks, reading[1], strict=True):
+                    chunk_view(wave.tensors[c.name], c).data.copy_(value)
+                return wave.model[0](x).mean(0)
+
+        want = service.shard.buffer_value(mean.key).clone()
+        for clock in range(3):  # each wave in turn on the newest version: one process's steps
+            for i, wave in enumerate(waves):
+                reading, batch = read(), _batch(20 + 2 * clock + i, 8)
+                want = 0.9 * want + 0.1 * batch_mean(wave, reading, batch[0])
+                _step_and_push(wave, service, clock, reading, batch)
+                got = service.shard.buffer_value(mean.key)
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        # both read the same version; wave 1 pushes second, one version stale: its step's
+        # change to the statistics it read is added to what wave 0's step left
+        reading = read()
+        batches = [_batch(40 + i, 8) for i in (0, 1)]
+        moves = []
+        for wave, batch in zip(waves, batches, strict=True):
+            m = batch_mean(wave, reading, batch[0])
+            moves.append(0.1 * (m - reading[1][mean.key]))
+        for wave, batch in zip(waves, batches, strict=True):
+            _step_and_push(wave, service, 3, reading, batch)
+        got = service.shard.buffer_value(mean.key)
+        torch.testing.assert_close(got, want + moves[0] + moves[1], rtol=0, atol=1e-6)
+    finally:
+        service.close()
+
+
 def test_a_waves_speed_is_the_batch_its_compute_time_measured(tmp_path):
     """A push says how long the wave's previous batch took (this one's push may leave during
     backward): where balancing cut the batch from 32 to 8, the speed is 32 samples over that
