@@ -279,3 +279,43 @@ def test_waves_pulling_during_forward_follow_a_shard_that_handed_itself_over(
     )
     assert "skipped stalled wave" not in text
     assert "silent for over" not in (daemons.tmp / "ps-0.log").read_text()
+
+
+def test_a_hand_over_whose_ack_the_primary_missed_is_withdrawn_by_its_next_seed(tmp_path):
+    """A primary that handed itself over but saw no ack in time serves on and seeds its
+    standby again: the standby withdraws the hand-over and serves nobody, or a wave asking it
+    would make two owners of the shard. Once a standby took the shard over, its old primary's
+    seed is answered ``moved`` (the primary then steps aside)."""
+    from helpers import ServiceWave, service_for
+
+    from wavelet.common.messages import Seed
+    from wavelet.common.protocol import ProtocolError
+    from wavelet.ps.owners import Peer
+    from wavelet.ps.replication import state_to_wire
+    from wavelet.ps.standby import StandbyRole
+
+    primary, standby = service_for(tmp_path / "p"), service_for(tmp_path / "s")
+    try:
+        ServiceWave(primary).join()  # the primary holds a state to hand over
+        role = StandbyRole(standby, lost_after_s=60.0, on_promoted=lambda: None)
+        standby.standby = role
+        peer, h = Peer(b"primary-0"), Header(op=Op.SEED)
+        state, tensors = state_to_wire(primary.shard.state_dict())
+        hand_over = Seed(token="secret", state=state, clocks=[], promote=True)
+        hello = Seed(token="secret", state={}, clocks=[], hello=True)
+        role.seed(peer, h, hand_over, tensors)
+        assert role.handed_over
+        role.seed(peer, h, hello, [])  # the primary serves on
+        assert not role.handed_over
+        with pytest.raises(ProtocolError) as refused:
+            role.admit(Op.PUSH)
+        assert refused.value.code == ErrorCode.NOT_PRIMARY
+        role.seed(peer, h, hand_over, tensors)
+        role.admit(Op.PUSH)  # a wave told ``moved`` comes: the standby takes over
+        assert role.promoted
+        with pytest.raises(ProtocolError) as refused:
+            role.seed(peer, h, hello, [])
+        assert refused.value.code == ErrorCode.MOVED
+    finally:
+        primary.close()
+        standby.close()
