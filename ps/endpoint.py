@@ -61,6 +61,12 @@ class Endpoint:
         if security:
             security.apply(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # A peer that reconnects under the identity it had (a primary's link to its standby,
+        # after its process was stopped) takes that identity over. Without it, a reconnection
+        # that came before the old connection was seen to close was refused: its messages were
+        # dropped while ZMTP heartbeats kept it looking alive, and a mirroring primary held
+        # every reply for an acknowledgement that never came.
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_message_mib * (1 << 20)))
         # ZMTP pings: a peer whose host vanished is disconnected, like one that closed
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
