@@ -52,7 +52,7 @@ class Shard:
     mean; weighed, one step of every wave moves a running mean as one process's step on their
     concatenated batches does.
 
-    Under a synchronous rule (``step_statistics``) the mean is over the waves whose uploads
+    Under a synchronous rule (``statistics = "step"``) the mean is over the waves whose uploads
     read the version before the current one: the waves of the step that made it, where they
     read the same statistics, as under wave turns, where each group reads the other's update.
     Their mean is then one process's step on their batches, where a mean over every wave mixed
@@ -60,7 +60,7 @@ class Shard:
     the model about 1.5x more slowly than one process's (or all-reduce's) do. Where no upload
     read that version (wave groups, before the first update), every wave's counts.
 
-    Under asynchronous waves (``sequential_statistics``) an upload is a step of its own: the
+    Under asynchronous waves (``statistics = "sequential"``) an upload is a step of its own: the
     served statistics move by what the wave's step changed in the statistics it read (its upload
     less the values served at the version it read), as one process's running mean moves batch
     by batch. A mean over every wave's latest upload followed the model more slowly the more
@@ -83,8 +83,10 @@ class Shard:
         self.wave_buffers: dict[object, dict[int, torch.Tensor]] = {}
         self.buffer_samples: dict[object, int] = {}  # each upload's push's samples (0: untold)
         self.buffer_reads: dict[object, int] = {}  # the version each upload's push read
-        self.step_statistics = False  # serve the latest step's waves' statistics (see above)
-        self.sequential_statistics = False  # async: each upload moves them in turn (see above)
+        # how uploads make the served statistics (see above): "mean" of every wave's latest,
+        # "step": of the latest step's waves (synchronous rules), "sequential": each in turn
+        # (asynchronous waves); the update rule sets it
+        self.statistics = "mean"
         # sequential statistics: the served buffers as of each recent version (what a wave that
         # read it started from)
         self.served_at: dict[int, dict[int, torch.Tensor]] = {}
@@ -264,7 +266,7 @@ class Shard:
             for s, t in zip(self.specs, tensors, strict=True)
             if not s.trainable
         }
-        if values and self.sequential_statistics:
+        if values and self.statistics == "sequential":
             base = self.served_at.get(read, {})
             for key, value in values.items():
                 old = base.get(key)
@@ -293,7 +295,7 @@ class Shard:
         the waves that read it (``fresh``: the buffers were set anew, forget the older ones)."""
         if fresh:
             self.served_at.clear()
-        if not self.sequential_statistics:
+        if self.statistics != "sequential":
             return
         self.served_at[self.version] = {k: v.clone() for k, v in self.buffers.items()}
         self.served_at.pop(self.version - STATISTICS_HISTORY, None)
@@ -383,9 +385,9 @@ class Shard:
         return out
 
     def _serving_waves(self) -> list:
-        """The waves whose uploads a pull serves: under ``step_statistics``, those that read
-        the version before this one (the step that made it), where any did; else all."""
-        if self.step_statistics:
+        """The waves whose uploads a pull serves: under "step" statistics, those that read the
+        version before this one (the step that made it), where any did; else all."""
+        if self.statistics == "step":
             made = [w for w, read in self.buffer_reads.items() if read == self.version - 1]
             if made:
                 return made

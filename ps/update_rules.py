@@ -97,8 +97,7 @@ class Updates:
         # wave group
         self.synchronous = job.staleness == 0 or job.updates in BOUNDLESS_UPDATES
         # a step's BatchNorm statistics: its own waves' (ps/shard.py)
-        shard.step_statistics = self.synchronous
-        shard.sequential_statistics = not self.synchronous
+        shard.statistics = "step" if self.synchronous else "sequential"
         quorum = None
         if job.updates == "k-of-n":
             self.bound = StalenessBound(math.inf)  # the quorum, not the slowest, sets the pace
