@@ -6,11 +6,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -18,12 +19,27 @@ import torch
 def save_whole(obj: Any, path: Path) -> None:
     """``torch.save(obj)`` to ``path`` whole or not at all, and on disk when it returns:
     written aside, synced, renamed over ``path``, the folder synced."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _replace_whole(Path(path), lambda f: torch.save(obj, f))
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    """``text`` to ``path`` whole or not at all (a reader never sees half of it), as
+    ``save_whole`` does."""
+    _replace_whole(Path(path), lambda f: f.write(text.encode()))
+
+
+def _replace_whole(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    # the aside file is this writer's own: two writers of one path (two workers started by
+    # hand with one run dir both save its model.pt) each rename a whole file, the last wins
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself survives a crash only once the folder is on disk

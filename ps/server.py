@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import zmq
 
 from wavelet.common.daemon_config import PSConfig
 from wavelet.common.protocol import ErrorCode
+from wavelet.common.records import write_text_whole
 from wavelet.common.security import (
     ServerSecurity,
     check_bind,
@@ -124,7 +124,7 @@ class ShardServer:
         if self.hosted is not None:
             log.info("standby of shard %d listening on %s", cfg.stands_by_for, self.hosted.address)
             if cfg.standby_ready_file:
-                _write_atomically(Path(cfg.standby_ready_file), self.hosted.address)
+                _write_ready(Path(cfg.standby_ready_file), self.hosted.address)
         poller = zmq.Poller()
         for e in self.endpoints:
             poller.register(e.socket, zmq.POLLIN)
@@ -132,7 +132,7 @@ class ShardServer:
         if self._standby_address():
             self._start_replicator(poller)
         if cfg.ready_file:
-            _write_atomically(Path(cfg.ready_file), self.address)
+            _write_ready(Path(cfg.ready_file), self.address)
         next_tick = time.monotonic() + TICK_S
         try:
             while not self.stopping:
@@ -281,7 +281,7 @@ class ShardServer:
         """The hosted standby took its shard over: where its address is looked up, it is now."""
         cfg = self.config
         if cfg.standby_takeover_file:
-            _write_atomically(Path(cfg.standby_takeover_file), self.hosted.address)
+            _write_ready(Path(cfg.standby_takeover_file), self.hosted.address)
         if self.on_takeover is not None:
             self.on_takeover(cfg.stands_by_for, self.hosted.address)
         if self.placement is not None:
@@ -383,8 +383,6 @@ def _read(path: str) -> str:
     return Path(path).read_text().strip()
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_ready(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_whole(path, text)

@@ -17,6 +17,7 @@ from wavelet.common.figures import push_staleness
 from wavelet.common.job import MODEL_FILE
 from wavelet.common.messages import AdminRequest
 from wavelet.common.protocol import Op, ShardError
+from wavelet.common.records import write_text_whole
 from wavelet.scripts.plots import staleness_histograms
 from wavelet.scripts.stats import fetch_stats, format_wave_table, merge_wave_stats
 from wavelet.scripts.tensorboard_log import RunBoard
@@ -108,7 +109,7 @@ def summarize(
                 f" that finished under torchrun (without the {job_wide['workers_lost']} lost "
                 "and any that joined: see their own run dirs' records)"
             )
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_text_whole(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
