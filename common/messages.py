@@ -352,6 +352,9 @@ class StatsReply(Body):
     # weight slot, or copied into the wave's segment; and how often the weights moved slots
     # before an update (ps/weight_slots.py)
     shm_reads: dict[str, int] = field(default_factory=dict)
+    # how the waves' batches are sized now ("balanced batches (waves 1.3x apart)"; "": the
+    # job's); said by shard 0 alone, whose replies the waves take their batch from
+    batches: str = ""
 
 
 REPLY_BODIES: dict[str, type[Body]] = {

@@ -307,6 +307,9 @@ class ShardService(PushesAndReads):
             version=self.shard.version,
             shard=self.config.shard_index,
             update_rule=self.updates.describe(),
+            # every shard measures the waves (a slow node's shard moves by it), but the waves
+            # take their batch from shard 0's replies (worker/rounds.py): only its balancer sizes
+            batches=self.updates.balancer.describe() if self.config.shard_index == 0 else "",
             parked_now=len(self.parked),
             rejected=self.rejected,
             checkpoint_failures=self.checkpoints.failures,

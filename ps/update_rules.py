@@ -127,8 +127,7 @@ class Updates:
             rule = "bulk-synchronous (staleness bound 0)"
         else:
             rule = f"staleness bound {self.bound.s}"
-        balance = self.balancer.describe()
-        return f"{rule}, {balance}" if balance else rule
+        return rule
 
     def check_push(self, wave: WaveId, clock: int) -> None:
         """Refuse a push out of the synchronous order (before anything changes)."""

@@ -149,14 +149,18 @@ def train_and_report(daemon) -> int:
 
 
 def describe_rules(shard_stats: list[dict]) -> str:
-    """What the shards' update rule did (balanced batches say when and why): once where every
-    shard says the same, else shard by shard (shard 0 balances the batches, k of n counts late
-    pushes per shard)."""
+    """What the shards' update rule did: once where every shard says the same, else shard by
+    shard (k of n counts the late pushes each shard saw); then how the waves' batches were
+    sized, as shard 0, which sizes them, says (balanced batches: when and why)."""
     rules = {s.get("shard", i): s.get("update_rule", "") for i, s in enumerate(shard_stats)}
     said = {r for r in rules.values() if r}
     if len(said) <= 1:
-        return next(iter(said), "")
-    return "; ".join(f"shard {shard}: {rule}" for shard, rule in sorted(rules.items()) if rule)
+        rule = next(iter(said), "")
+    else:
+        rule = "; ".join(f"shard {shard}: {r}" for shard, r in sorted(rules.items()) if r)
+    batches = next((s.get("batches", "") for s in shard_stats if s.get("shard") == 0), "")
+    # after a rule said shard by shard, the batches are the job's, not the last shard's
+    return ("; " if len(said) > 1 else ", ").join(part for part in (rule, batches) if part)
 
 
 def merge_membership(shards: list[dict]) -> dict[str, int]:

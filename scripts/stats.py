@@ -102,7 +102,8 @@ def print_stats(addresses: list[str], timeout_s: float = 5.0, keys=None) -> int:
         )
         print(
             f"shard {s['shard']}: version {s['version']}, {s['update_rule']}, "
-            f"{s['parked_now']} pull(s) parked, {s['rejected']} request(s) rejected{in_shm}"
+            + (f"{s['batches']}, " if s.get("batches") else "")
+            + f"{s['parked_now']} pull(s) parked, {s['rejected']} request(s) rejected{in_shm}"
         )
     print(format_wave_table(merge_wave_stats(shards)))
     print(

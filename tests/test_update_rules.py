@@ -9,7 +9,7 @@ from helpers import ServiceWave, push_header, reply_of, service_for
 from wavelet.common.config import JobConfig, concrete_updates, launch_updates
 from wavelet.common.daemon_config import LaunchConfig
 from wavelet.common.optimizer import OptimizerConfig
-from wavelet.common.protocol import Op, encode
+from wavelet.common.protocol import Header, Op, encode
 from wavelet.common.settings import ConfigError
 from wavelet.ps.update_rules import corrected_momentum, update_lr_factor
 from wavelet.scripts.compare import default_modes, mode_job
@@ -192,16 +192,28 @@ def test_the_summary_says_a_rule_once_and_names_shards_only_where_they_differ():
 
     same = [{"shard": i, "update_rule": "wave turns"} for i in range(2)]
     assert describe_rules(same) == "wave turns"
-    # shard 0 balances the batches; k of n counts the late pushes each shard saw
+    # k of n counts the late pushes each shard saw
     apart = [
         {"shard": 1, "update_rule": "k of n (2 late pushes, fold them)"},
-        {"shard": 0, "update_rule": "k of n (0 late pushes, fold them), balanced batches"},
+        {"shard": 0, "update_rule": "k of n (0 late pushes, fold them)"},
     ]
     assert describe_rules(apart) == (
-        "shard 0: k of n (0 late pushes, fold them), balanced batches; "
-        "shard 1: k of n (2 late pushes, fold them)"
+        "shard 0: k of n (0 late pushes, fold them); shard 1: k of n (2 late pushes, fold them)"
     )
     assert describe_rules([{"shard": 0, "update_rule": ""}]) == ""
+    # the waves take their batch from shard 0's replies: what another shard's balancer
+    # measured sized nothing (it said "balanced" where shard 0 had kept the job's batch)
+    measured = [
+        {"shard": 0, "update_rule": "wave turns", "batches": ""},
+        {"shard": 1, "update_rule": "wave turns", "batches": "balanced batches (waves 1.3x apart)"},
+    ]
+    assert describe_rules(measured) == "wave turns"
+    measured[0]["batches"], measured[1]["batches"] = "balanced batches (waves 2.0x apart)", ""
+    assert describe_rules(measured) == "wave turns, balanced batches (waves 2.0x apart)"
+    apart[1]["batches"] = "balanced batches"
+    assert describe_rules(apart).endswith(
+        "shard 1: k of n (2 late pushes, fold them); balanced batches"
+    )
 
 
 def test_compare_modes_keep_their_own_rule_whatever_the_jobs():
@@ -351,3 +363,17 @@ def test_compare_runs_both_rules_by_default_where_ticktock_is_wave_turns():
     assert gpu == DEFAULT_MODES and "ticktock-turns" in gpu
     bounded = default_modes(JobConfig(staleness=4), ["cpu"], budget=False)
     assert bounded == DEFAULT_MODES
+
+
+@pytest.mark.parametrize("index, says", [(0, "balanced batches"), (1, "")])
+def test_only_shard_0_says_how_the_batches_are_sized(tmp_path, index, says):
+    """The waves take their batch from shard 0's replies (worker/rounds.py); every shard's
+    balancer measures, but another shard saying "balanced" sized nothing."""
+    job = {"updates": "wave-turns", "balance_batches": "on", "shards": 2, "staleness": 1}
+    service = service_for(tmp_path, job=job, expect_waves=2, shm=False, shard_index=index)
+    try:
+        (reply,) = service.handle(b"peer", [bytes(f) for f in encode(Header(op=Op.STATS))])
+        body = reply_of(reply).body
+        assert body["update_rule"] == "wave turns" and body["batches"] == says
+    finally:
+        service.close()
