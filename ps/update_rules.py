@@ -150,11 +150,11 @@ class Updates:
         ``compute_samples``, 0: ``samples``; this one so far, where the push left during
         backward) and what else its step cost (balanced batches)."""
         grads = self.shard.gradients(tensors, push.absent)
-        self.shard.store_buffers(wave, tensors, push.samples, read=self.shard.version - tau)
         measured = push.compute_samples or push.samples
         self.balancer.record(wave, measured, push.compute_s, push.overhead_s)
         lr_scale = push.lr_scale
         if self.synchronous:
+            self.shard.store_buffers(wave, tensors, push.samples, read=self.shard.version - tau)
             # The gradients of one clock of a group read the same version: average them (over
             # their samples, where batches differ).
             action = self.sync.add(wave, clock, grads, lr_scale, push.samples or 1)
@@ -163,8 +163,12 @@ class Updates:
             return action, lr_scale
         decision = self.policy.decide(wave, tau, grads, self.shard.params)
         if decision.grads is None:
+            # its statistics go with it: moved without a new version, a wave that then read
+            # this version would count their change again when it pushed (sequential statistics)
             stats.dropped += 1
         else:
+            # before the update, which serves the statistics it leaves with its new version
+            self.shard.store_buffers(wave, tensors, push.samples, read=self.shard.version - tau)
             lr_scale *= decision.lr_scale * self._lr_factor(1)
             self.shard.apply(decision.grads, lr_scale)
         return decision.action, lr_scale

@@ -219,6 +219,35 @@ def test_async_waves_move_the_statistics_as_one_process_does_batch_by_batch(tmp_
         service.close()
 
 
+def test_an_async_push_the_policy_drops_leaves_the_statistics_as_they_were(tmp_path):
+    """A push too stale for the drop policy changes nothing: its gradients and its BatchNorm
+    statistics alike (which moved without a version, a wave that read that version afterwards
+    counted their change twice)."""
+    job = {"updates": "async", "staleness": 4, "stale_policy": "drop", "drop_limit": 0}
+    service = service_for(tmp_path, job=job)
+    try:
+        waves = [ServiceWave(service, "w0", wave=i, model=_bn_model()) for i in (0, 1)]
+        for wave in waves:
+            wave.join()
+        reading = (service.shard.version, _shard_values(service))
+        statistics = [c.key for c in waves[0].chunks if not c.trainable]
+
+        def served():
+            values = _shard_values(service)
+            return values + [service.shard.buffer_value(k).clone() for k in statistics]
+
+        _step_and_push(waves[0], service, 0, reading, _batch(1, 8))  # fresh: applied
+        applied = served()
+        assert service.shard.version == reading[0] + 1
+        _step_and_push(waves[1], service, 0, reading, _batch(2, 8))  # one behind: dropped
+        assert service.stats[("w0", 1)].dropped == 1
+        assert service.shard.version == reading[0] + 1
+        for before, now in zip(applied, served(), strict=True):
+            torch.testing.assert_close(now, before, rtol=0, atol=0)
+    finally:
+        service.close()
+
+
 def test_a_waves_speed_is_the_batch_its_compute_time_measured(tmp_path):
     """A push says how long the wave's previous batch took (this one's push may leave during
     backward): where balancing cut the batch from 32 to 8, the speed is 32 samples over that
