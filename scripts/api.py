@@ -102,13 +102,15 @@ def compare(
     memory_budget: str = "",
     lr_scaling: str = "linear",
     slow_device: str = "",
+    quiet: bool = False,
 ) -> dict[str, dict]:
     """``job`` in several modes side by side, as ``wavelet compare`` does (``report.md`` and the
     runs in ``out``); per mode its figures (``run_dir``, ``samples_per_s``, ``time_to_target_s``,
     ``final_score``, ``score_curve``, memory peaks, ``staleness``; with ``memory_budget`` also the
     ``batch`` per task and ``lr`` it chose) or ``{"error": why}``. The memory timelines stay in
     ``out`` (``metrics.json``, ``memory.png``). ``slow_device`` (``"D:PCT"``) caps one device's
-    processes alike for every mode (a slow or shared device)::
+    processes alike for every mode (a slow or shared device); ``quiet``: no line per mode, as
+    ``launch(quiet=True)``::
 
         figures = wavelet.compare(job, ["ticktock", "allreduce"], target=0.9)
         print(figures["ticktock"]["time_to_target_s"], figures["allreduce"]["time_to_target_s"])
@@ -125,7 +127,9 @@ def compare(
     out = Path(out) if out else new_run_dir("compare")  # once nothing more can be refused
     try:
         settings = {"slow_device": slow_device} if slow_device else None
-        results = compare_modes(job, list(devices), modes, out, target, settings, budget=plan)
+        results = compare_modes(
+            job, list(devices), modes, out, target, settings, budget=plan, quiet=quiet
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return {r.name: _mode_figures(r, budget=plan is not None) for r in results}

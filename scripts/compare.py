@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from wavelet.common.config import GROUPED_UPDATES, JobConfig, async_only_defaults, launch_updates
@@ -169,14 +170,21 @@ def compare(
     settings: dict | None = None,
     budget: BudgetPlan | None = None,
     fork_server: ForkServer | None = None,
+    quiet: bool = False,
 ) -> list[ModeResult]:
     """Run ``job`` in each mode; ``settings`` are launch settings every mode shares (e.g. a
     CUDA memory cap); with ``budget``, each mode at the largest batch that fits it. Every
-    mode's daemons fork from ``fork_server`` (the caller's), else from one started here."""
+    mode's daemons fork from ``fork_server`` (the caller's), else from one started here.
+    ``quiet``: no line per mode (the results and the report say it all)."""
     check_modes(modes)
     out.mkdir(parents=True, exist_ok=True)
+    say = _silent if quiet else print
     with shared_fork_server((settings or {}).get("spawn", "fork"), fork_server) as server:
-        return _compare(job, devices, modes, out, target, settings, budget, server)
+        return _compare(job, devices, modes, out, target, settings, budget, server, say)
+
+
+def _silent(*args, **kwargs) -> None:
+    pass
 
 
 def _compare(
@@ -188,13 +196,14 @@ def _compare(
     settings: dict | None,
     budget: BudgetPlan | None,
     server: ForkServer | None,
+    say: Callable[..., None] = print,
 ) -> list[ModeResult]:
     results = []
     layouts: dict = {}  # thread probes, one per model, batch and cores
     for name in modes:
         mode = MODES[name]
         run_dir = out / name
-        print(f"== {name}: {mode.description}", flush=True)
+        say(f"== {name}: {mode.description}", flush=True)
         batch = peak = 0
         try:
             launch_settings = {**(settings or {}), **mode.launch}
@@ -204,7 +213,7 @@ def _compare(
             if threads:  # the budget counted on this layout (and probed it once already)
                 launch_settings["threads"] = threads
             if budget:
-                print(
+                say(
                     f"   batch {batch} per task, lr {run_job.optimizer.lr:g}: measured device "
                     f"peak {peak / 1e6:.2f} MB of {budget.budget_bytes / 1e6:.2f} MB",
                     flush=True,
@@ -239,11 +248,11 @@ def _compare(
                     lr=run_job.optimizer.lr,
                 )
             )
-            print(f"   {results[-1].figures.one_line()}", flush=True)
+            say(f"   {results[-1].figures.one_line()}", flush=True)
         except KeyboardInterrupt:  # Ctrl-C stops the comparison, not only this mode
             why = "interrupted (Ctrl-C); the modes after it did not run"
             results.append(ModeResult(name, False, error=why, batch=batch, interrupted=True))
-            print(f"   {why}", flush=True)
+            say(f"   {why}", flush=True)
             break
         except BudgetError as e:
             results.append(ModeResult(name, False, error=str(e)))

@@ -151,12 +151,14 @@ def test_a_job_that_fails_raises_job_failed_with_its_run_dir(parts):
 
 
 @pytest.mark.timeout(300)
-def test_compare_from_python_returns_each_modes_figures(parts):
+def test_compare_from_python_returns_each_modes_figures(parts, capfd):
     job = wavelet.JobConfig(model=parts.small_mlp, epochs=1)
     with pytest.raises(wavelet.ConfigError, match="unknown mode 'tiktok'"):
         wavelet.compare(job, ["ticktock", "tiktok"])
     assert not os.path.exists("runs")  # refused before any run dir was made
-    figures = wavelet.compare(job, ["ticktock", "allreduce"], out="side", target=0.3)
+    capfd.readouterr()
+    figures = wavelet.compare(job, ["ticktock", "allreduce"], out="side", target=0.3, quiet=True)
+    assert capfd.readouterr().out == ""  # as launch(quiet=True): no line per mode
     assert list(figures) == ["ticktock", "allreduce"]
     for mode, got in figures.items():
         assert got["run_dir"] == f"side/{mode}" and got["samples_per_s"] > 0, got
