@@ -117,19 +117,21 @@ def launch(
             addresses = [ready.read_text().strip() for _, ready in shards]
         summary = _finish(job, job_cfg, addresses, progress)
         _say(quiet, "\n" + format_summary(summary))
-        return 0
+        code = 0
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the job", file=sys.stderr)
-        return INTERRUPTED
+        code = INTERRUPTED
     except (ChildFailed, ShardError) as e:
         print(f"wavelet launch: {e}", file=sys.stderr)
         if on_failure is not None:
             on_failure(str(e))
-        return 1
+        code = 1
     finally:
         if board is not None:
             board.close()
-        job.teardown()
+        stopped_late = job.teardown()
+    # a Ctrl-C while the job was torn down still stops the caller (compare, tune: the run)
+    return INTERRUPTED if stopped_late and code == 0 else code
 
 
 def _job_per_process(config: LaunchConfig) -> JobConfig:

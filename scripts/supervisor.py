@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -213,19 +214,33 @@ class Job:
             "--checkpoint-every N to be able to resume next time"
         )
 
-    def teardown(self) -> None:
+    def teardown(self) -> bool:
         """SIGTERM every child still running, wait, then SIGKILL what is left; then remove the
-        shared-memory segments a killed shard could not."""
-        alive = [c for c in self.children if c.proc.poll() is None]
-        for c in alive:
-            c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for c in alive:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
+        shared-memory segments a killed shard could not. A Ctrl-C (or SIGTERM) meanwhile kills
+        what is left at once instead of ending the teardown halfway (a second Ctrl-C had
+        raised in the middle of it, with a traceback, before the segments and a
+        --slow-device cgroup were removed); returns whether one came."""
+        hurry = _Hurry()
+        with hurry.on_stop_signals():
+            alive = [c for c in self.children if c.proc.poll() is None]
+            for c in alive:
+                c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for c in alive:
+                while not hurry.now and time.monotonic() < deadline:
+                    try:
+                        c.proc.wait(min(0.2, max(0.01, deadline - time.monotonic())))
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+                if c.proc.poll() is None:
+                    c.proc.kill()
+                    c.proc.wait()
+            self._release()
+        return hurry.now
+
+    def _release(self) -> None:
+        """What the job held besides its processes: the fork server, the cap, the segments."""
         if self._server is not None and self._owns_server:
             self._server.close()
         self._server = None
@@ -233,3 +248,30 @@ class Job:
             self.cap.close()
             self.cap = None
         remove_segments(run_prefix(self.run_dir))
+
+
+class _Hurry:
+    """Stop signals while a job is torn down: noted (``now``), and said once, instead of
+    raising KeyboardInterrupt in the middle of it."""
+
+    def __init__(self):
+        self.now = False
+
+    @contextmanager
+    def on_stop_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # only the main thread may set handlers; and only it gets signals
+            return
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in previous:
+            signal.signal(sig, self._hurry)
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _hurry(self, signum, frame) -> None:
+        if not self.now:
+            print("stopping now: killing what is left of the job", file=sys.stderr, flush=True)
+        self.now = True

@@ -111,6 +111,30 @@ def test_ctrl_c_tears_the_job_down(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_a_second_ctrl_c_while_the_job_stops_kills_what_is_left_and_still_cleans_up(tmp_path):
+    """An impatient second Ctrl-C during the teardown: the job's processes that have not
+    stopped yet are killed at once, and the teardown still ends (no traceback; nothing left).
+    A stopped worker stands for one that is slow to stop: it cannot act on its SIGTERM, so the
+    teardown is sure to be waiting for it when the second Ctrl-C comes."""
+    cm, proc, run_dir = _start_launcher(tmp_path)
+    log = tmp_path / "launch.log"
+    try:
+        worker = _one_process(run_dir, b"worker")
+        os.kill(worker, signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "interrupted: stopping the job" in log.read_text(), 30, "no first stop")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        out = log.read_text()
+        assert "Traceback" not in out, out[-3000:]
+        assert "stopping now: killing what is left of the job" in out, out[-3000:]
+        _assert_nothing_left(run_dir)  # before: the stopped worker outlived the launcher
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_dying_child_stops_the_job_and_is_reported(tmp_path):
     cm, proc, run_dir = _start_launcher(tmp_path)
     try:
