@@ -22,13 +22,14 @@ def save_whole(obj: Any, path: Path) -> None:
     _replace_whole(Path(path), lambda f: torch.save(obj, f))
 
 
-def write_text_whole(path: Path, text: str) -> None:
+def write_text_whole(path: Path, text: str, sync: bool = True) -> None:
     """``text`` to ``path`` whole or not at all (a reader never sees half of it), as
-    ``save_whole`` does."""
-    _replace_whole(Path(path), lambda f: f.write(text.encode()))
+    ``save_whole`` does; ``sync=False``: not waiting for the disk (a file that tells other
+    processes something now, such as a shard's address, need not outlive a crash)."""
+    _replace_whole(Path(path), lambda f: f.write(text.encode()), sync)
 
 
-def _replace_whole(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+def _replace_whole(path: Path, write: Callable[[BinaryIO], Any], sync: bool = True) -> None:
     # the aside file is this writer's own: two writers of one path (two workers started by
     # hand with one run dir both save its model.pt) each rename a whole file, the last wins
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -36,10 +37,13 @@ def _replace_whole(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    if not sync:
+        return
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself survives a crash only once the folder is on disk

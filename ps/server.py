@@ -385,4 +385,4 @@ def _read(path: str) -> str:
 
 def _write_ready(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_whole(path, text)
+    write_text_whole(path, text, sync=False)  # in the serving loop: no wait for the disk
