@@ -119,6 +119,7 @@ def launch(
         _say(quiet, "\n" + format_summary(summary))
         code = 0
     except KeyboardInterrupt:
+        job.stopping()  # a second Ctrl-C from here hurries the teardown
         print("\ninterrupted: stopping the job", file=sys.stderr)
         code = INTERRUPTED
     except (ChildFailed, ShardError) as e:
@@ -127,6 +128,7 @@ def launch(
             on_failure(str(e))
         code = 1
     finally:
+        job.stopping()
         if board is not None:
             board.close()
         stopped_late = job.teardown()

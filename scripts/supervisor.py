@@ -111,6 +111,7 @@ class Job:
     _server: ForkServer | None = field(default=None, repr=False)
     _owns_server: bool = True  # else the caller's, for several jobs: left running at teardown
     _no_fork_server: bool = False
+    _hurry: _Hurry | None = field(default=None, repr=False)
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         log = self.run_dir / "logs" / f"{name}.log"
@@ -214,14 +215,22 @@ class Job:
             "--checkpoint-every N to be able to resume next time"
         )
 
+    def stopping(self) -> None:
+        """The job is being stopped (a Ctrl-C came, or it is done): from now until the teardown
+        ends, a Ctrl-C (or SIGTERM) hurries it instead of raising in the middle of it, which
+        had left a traceback, a child slow to stop running after the launcher, and the
+        segments and a --slow-device cgroup behind."""
+        if self._hurry is None:
+            self._hurry = _Hurry()
+            self._hurry.install()
+
     def teardown(self) -> bool:
         """SIGTERM every child still running, wait, then SIGKILL what is left; then remove the
-        shared-memory segments a killed shard could not. A Ctrl-C (or SIGTERM) meanwhile kills
-        what is left at once instead of ending the teardown halfway (a second Ctrl-C had
-        raised in the middle of it, with a traceback, before the segments and a
-        --slow-device cgroup were removed); returns whether one came."""
-        hurry = _Hurry()
-        with hurry.on_stop_signals():
+        shared-memory segments a killed shard could not. A stop signal meanwhile kills what is
+        left at once (``stopping``); returns whether one came."""
+        self.stopping()
+        hurry = self._hurry
+        try:
             alive = [c for c in self.children if c.proc.poll() is None]
             for c in alive:
                 c.proc.send_signal(signal.SIGTERM)
@@ -237,6 +246,9 @@ class Job:
                     c.proc.kill()
                     c.proc.wait()
             self._release()
+        finally:
+            hurry.restore()
+            self._hurry = None
         return hurry.now
 
     def _release(self) -> None:
@@ -251,25 +263,24 @@ class Job:
 
 
 class _Hurry:
-    """Stop signals while a job is torn down: noted (``now``), and said once, instead of
-    raising KeyboardInterrupt in the middle of it."""
+    """Stop signals while a job is stopped: noted (``now``), and said once, instead of raising
+    KeyboardInterrupt in the middle of it."""
 
     def __init__(self):
         self.now = False
+        self.previous: dict = {}
 
-    @contextmanager
-    def on_stop_signals(self):
+    def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
-            yield self  # only the main thread may set handlers; and only it gets signals
-            return
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig in previous:
+            return  # only the main thread may set handlers; and only it gets signals
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._hurry)
-        try:
-            yield self
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
 
     def _hurry(self, signum, frame) -> None:
         if not self.now:

@@ -118,6 +118,7 @@ def test_a_second_ctrl_c_while_the_job_stops_kills_what_is_left_and_still_cleans
     teardown is sure to be waiting for it when the second Ctrl-C comes."""
     cm, proc, run_dir = _start_launcher(tmp_path)
     log = tmp_path / "launch.log"
+    worker = None
     try:
         worker = _one_process(run_dir, b"worker")
         os.kill(worker, signal.SIGSTOP)
@@ -131,6 +132,8 @@ def test_a_second_ctrl_c_while_the_job_stops_kills_what_is_left_and_still_cleans
         _assert_nothing_left(run_dir)  # before: the stopped worker outlived the launcher
     finally:
         cm.__exit__(None, None, None)
+        if worker is not None and worker in processes_mentioning(str(run_dir)):  # left, stopped
+            os.kill(worker, signal.SIGKILL)
 
 
 @pytest.mark.slow
