@@ -225,7 +225,13 @@ def _add_tool_commands(sub) -> None:
         "admin", help="checkpoint or shut down running shards (needs the run's admin token)"
     )
     admin.add_argument("action", choices=["checkpoint", "shutdown"], help="what the shards do")
-    admin.add_argument("addresses", nargs="+", metavar="ADDRESS", help="the shards' addresses")
+    admin.add_argument(
+        "addresses",
+        nargs="+",
+        metavar="ADDRESS",
+        help="the shards' addresses, or the run dir of a job wavelet launch started (its "
+        "admin token too)",
+    )
     admin.add_argument("--run-dir", help="the shards' run dir (its admin.token is used)")
     admin.add_argument("--token-file", help="the admin token file, if not in a run dir")
     admin.add_argument(

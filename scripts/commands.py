@@ -211,20 +211,30 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0 if all(r.figures for r in results) else 1
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
-    from wavelet.scripts.stats import print_stats, run_dir_shards, watch
+def _shards_given(given: list[str]):
+    """The shards' addresses as given, or those the run dir given in their place records (a
+    ``wavelet launch`` job's shards listen on ports of the moment): (addresses, the run dir or
+    None, the launcher's CURVE keys where that run dir has them)."""
+    from wavelet.scripts.stats import run_dir_shards
 
-    keys = client_keys_of(args)
-    if len(args.addresses) == 1 and Path(args.addresses[0]).is_dir():
-        addresses, run_keys = run_dir_shards(Path(args.addresses[0]))
-        keys = keys or run_keys
+    run_dir, keys, addresses = None, None, list(given)
+    if len(given) == 1 and Path(given[0]).is_dir():
+        run_dir = Path(given[0])
+        addresses, keys = run_dir_shards(run_dir)
     else:
-        addresses = args.addresses
         for a in addresses:
             if "://" not in a:  # meant as a run dir
                 raise ConfigError(f"{a}: no such directory, and not a shard address (tcp://...)")
     for a in addresses:
         check_address("shard address", a)
+    return addresses, run_dir, keys
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from wavelet.scripts.stats import print_stats, watch
+
+    addresses, _, run_keys = _shards_given(args.addresses)
+    keys = client_keys_of(args) or run_keys
     if args.watch:
         return watch(addresses, args.watch, timeout_s=args.timeout, keys=keys)
     return print_stats(addresses, timeout_s=args.timeout, keys=keys)
@@ -236,20 +246,28 @@ def cmd_admin(args: argparse.Namespace) -> int:
     from wavelet.common.security import admin_token_file, load_admin_token
     from wavelet.worker.connection import call_shard
 
-    for a in args.addresses:
-        check_address("shard address", a)
-    if bool(args.run_dir) == bool(args.token_file):
-        raise ConfigError("give the shards' admin token: --run-dir RUN_DIR or --token-file FILE")
-    path = args.token_file or admin_token_file(args.run_dir)
+    addresses, given_dir, run_keys = _shards_given(args.addresses)
+    if args.run_dir and args.token_file:
+        raise ConfigError(
+            "give the shards' admin token once: --run-dir RUN_DIR or --token-file FILE"
+        )
+    run_dir = args.run_dir or (None if args.token_file else given_dir)
+    if not (run_dir or args.token_file):
+        raise ConfigError(
+            "give the shards' admin token: --run-dir RUN_DIR or --token-file FILE (or the run "
+            "dir in place of the addresses)"
+        )
+    path = args.token_file or admin_token_file(run_dir)
     token = load_admin_token(path, create=False)
     keys = client_keys_of(args)
-    if keys is None and args.run_dir and (Path(args.run_dir) / "keys").is_dir():
+    if keys is None and run_dir and (Path(run_dir) / "keys").is_dir():
         from wavelet.common.security import JobKeys
 
-        keys = JobKeys(Path(args.run_dir) / "keys").client("launcher")  # its admin key
+        keys = JobKeys(Path(run_dir) / "keys").client("launcher")  # its admin key
+    keys = keys or run_keys
     op = Op.CHECKPOINT if args.action == "checkpoint" else Op.SHUTDOWN
     failed = 0
-    for a in args.addresses:
+    for a in addresses:
         try:
             body = AdminRequest(token=token).to_wire()
             h = call_shard(a, op, args.timeout, keys=keys, body=body)
