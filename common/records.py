@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from wavelet.common.security import aside_path
 
 
 def save_whole(obj: Any, path: Path) -> None:
@@ -32,7 +33,7 @@ def write_text_whole(path: Path, text: str, sync: bool = True) -> None:
 def _replace_whole(path: Path, write: Callable[[BinaryIO], Any], sync: bool = True) -> None:
     # the aside file is this writer's own: two writers of one path (two workers started by
     # hand with one run dir both save its model.pt) each rename a whole file, the last wins
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = aside_path(path)
     try:
         with open(tmp, "wb") as f:
             write(f)

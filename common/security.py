@@ -183,13 +183,19 @@ def _new_private_file(path: Path, text: str) -> None:
         f.write(text + "\n")
 
 
+def aside_path(path: Path) -> Path:
+    """A new name beside ``path`` for this writer alone (its pid and a random token), to write
+    a file whole before it is renamed or linked to ``path``: two writers never share one."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
 def write_private(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` readable by this user only (mode 0600), replacing what is
     there: written to a new file first and renamed over it, so neither an existing file's mode
     nor a symlink at ``path`` is ever followed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = aside_path(path)
     _new_private_file(tmp, text)
     try:
         os.replace(tmp, path)
@@ -215,7 +221,7 @@ def load_admin_token(path: str | Path, create: bool = True) -> str:
     path = Path(path)
     if create and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        tmp = aside_path(path)
         _new_private_file(tmp, secrets.token_hex(32))
         try:
             os.link(tmp, path)  # atomic, and never replaces a token another process wrote
